@@ -1,0 +1,34 @@
+# k3: `make demo` and `make test` work from nothing; `.venv` is made here with torch==2.13.0 first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.k3-installed
+TORCH  := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@$(BIN)/python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.13.0' else 'torch ' + torch.__version__ + ' was installed, expected 2.13.0')"
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/k3 demo
+
+bench: setup
+	$(BIN)/python benchmarks/kda.py --json
+	$(BIN)/python benchmarks/moe.py --json
+
+lint: setup
+	$(BIN)/python -m compileall -q src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,60 @@
+"""`k3 <command>`: one entry point; each part of k3 registers its subcommands from its own `cli.py`.
+
+A part's `register(subparsers)` adds parsers whose `func(args) -> int | None` does the work. Errors that
+are the user's (bad config, bad input) are `ValueError`s: printed in one line, exit code 2, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Parts that contribute subcommands; a part whose optional dependencies are missing is skipped.
+PARTS = [
+    "k3.model.cli",
+    "k3.data.cli",
+    "k3.train.cli",
+    "k3.quant.cli",
+    "k3.serve.cli",
+    "k3.plan.cli",
+    "k3.parallel.cli",
+    "k3.agentenv.cli",
+    "k3.distill.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in PARTS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name or (e.name and name.startswith(e.name)):
+                continue  # that part does not exist yet / is not installed
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"k3 {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

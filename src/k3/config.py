@@ -1,0 +1,217 @@
+"""K3Config: the one object that drives every part of k3.
+
+Presets are data (`PRESETS`), not subclasses. `validate()` raises `K3ConfigError` naming the field and
+the fix; every constructor in k3 calls it, so an inconsistent config fails before any tensor exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+
+
+class K3ConfigError(ValueError):
+    """A configuration that cannot describe a valid K3 model; the message names the field and the fix."""
+
+
+KDA, MLA = "K", "M"
+
+
+@dataclass
+class K3Config:
+    name: str = "custom"
+    vocab_size: int = 512
+    d_model: int = 64
+    n_layers: int = 4
+    max_context: int = 2048
+
+    # Sequence mixing. `layer_pattern` is one letter per layer, K = KDA, M = Gated MLA. Empty means the
+    # Kimi Linear rule: every `mla_every`-th layer (1-indexed) and the last layer are MLA, the rest KDA.
+    layer_pattern: str = ""
+    mla_every: int = 4
+
+    # KDA (Kimi Delta Attention): heads x head_dim for q/k/v, short causal conv, low-rank forget gate.
+    kda_heads: int = 2
+    kda_head_dim: int = 32
+    kda_conv_size: int = 4
+    kda_gate_rank: int = 32  # rank of the low-rank per-channel forget-gate and output-gate projections
+
+    # Gated MLA: low-rank q (0 = full-rank q) and kv compression, NoPE, sigmoid output gate.
+    mla_heads: int = 2
+    mla_q_lora_rank: int = 32
+    mla_kv_lora_rank: int = 32
+    mla_qk_head_dim: int = 32
+    mla_v_head_dim: int = 32
+
+    # Depth mixing: Block Attention Residuals. `attnres_sources` counts the embedding plus one source per
+    # block, so the layers are grouped into `attnres_sources - 1` blocks of ceil(n_layers / blocks) layers.
+    attnres: str = "block"  # block | full | none
+    attnres_sources: int = 3
+
+    # Channel mixing: the first `n_dense_layers` layers use a dense SwiGLU MLP, the rest (Latent)MoE.
+    n_dense_layers: int = 1
+    dense_ffn: int = 128
+    moe: str = "latent"  # latent | standard
+    moe_latent_dim: int = 32  # the latent width l; LatentMoE dispatches l-dim vectors (standard: d_model)
+    n_experts: int = 8
+    n_active_experts: int = 2
+    expert_ffn: int = 64
+    n_shared_experts: int = 1
+    shared_ffn: int = 64  # intermediate width of each shared expert (works at full d_model)
+    routed_scale: float = 1.0
+    router_score: str = "sigmoid"
+    balancing: str = "bias"  # none | aux_loss | bias | quantile
+    bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma for the auxiliary-loss-free bias
+    aux_loss_coef: float = 1e-4  # DeepSeek-V3's sequence-wise balance loss alpha (used by aux_loss)
+
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    # QAT settings, e.g. {"expert_weights": "mxfp4", "activations": "mxfp8"}; empty = full precision.
+    qat: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived quantities
+    @property
+    def pattern(self) -> str:
+        if self.layer_pattern:
+            return self.layer_pattern
+        return "".join(
+            MLA if ((i + 1) % self.mla_every == 0 or i == self.n_layers - 1) else KDA
+            for i in range(self.n_layers)
+        )
+
+    @property
+    def n_kda_layers(self) -> int:
+        return self.pattern.count(KDA)
+
+    @property
+    def n_mla_layers(self) -> int:
+        return self.pattern.count(MLA)
+
+    @property
+    def attnres_blocks(self) -> int:
+        return self.attnres_sources - 1
+
+    @property
+    def attnres_block_size(self) -> int:
+        """Layers per AttnRes block (the last block may be shorter)."""
+        return math.ceil(self.n_layers / self.attnres_blocks)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.moe_latent_dim if self.moe == "latent" else self.d_model
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.n_dense_layers
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "K3Config":
+        def bad(name: str, why: str, fix: str) -> None:
+            raise K3ConfigError(f"{self.name}: {name} = {getattr(self, name, None)!r} {why}; {fix}")
+
+        positive = [
+            "vocab_size", "d_model", "n_layers", "max_context", "kda_heads", "kda_head_dim",
+            "kda_conv_size", "kda_gate_rank", "mla_heads", "mla_kv_lora_rank", "mla_qk_head_dim",
+            "mla_v_head_dim", "attnres_sources", "dense_ffn", "n_experts", "n_active_experts",
+            "expert_ffn", "mla_every",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                bad(name, "must be a positive integer", f"set {name} to a value >= 1")
+        for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers"]:
+            if getattr(self, name) < 0:
+                bad(name, "must be >= 0", f"set {name} to 0 to disable it")
+        if self.n_shared_experts > 0 and self.shared_ffn <= 0:
+            bad("shared_ffn", "must be positive when n_shared_experts > 0", "set shared_ffn or n_shared_experts = 0")
+        if self.layer_pattern:
+            if len(self.layer_pattern) != self.n_layers:
+                bad("layer_pattern", f"has {len(self.layer_pattern)} letters but n_layers = {self.n_layers}",
+                    "give one letter (K or M) per layer, or leave layer_pattern empty to use mla_every")
+            if set(self.layer_pattern) - {KDA, MLA}:
+                bad("layer_pattern", "may only contain 'K' (KDA) and 'M' (MLA)", "use letters K and M")
+        if self.attnres not in ("block", "full", "none"):
+            bad("attnres", "is not one of block, full, none", "pick attnres = block | full | none")
+        if self.attnres_sources > self.n_layers + 1:
+            bad("attnres_sources", f"exceeds n_layers + 1 = {self.n_layers + 1} (embedding + one block per layer)",
+                "use fewer sources, or attnres = full for one source per sublayer")
+        if self.attnres_sources < 2:
+            bad("attnres_sources", "must be at least 2 (the embedding and one block)", "set attnres_sources >= 2")
+        if self.moe not in ("latent", "standard"):
+            bad("moe", "is not one of latent, standard", "pick moe = latent | standard")
+        if self.n_active_experts > self.n_experts:
+            bad("n_active_experts", f"(top-k) exceeds n_experts = {self.n_experts}",
+                "lower n_active_experts or raise n_experts")
+        if self.moe == "latent":
+            if self.moe_latent_dim <= 0 or self.d_model % self.moe_latent_dim != 0:
+                bad("moe_latent_dim", f"must be positive and divide d_model = {self.d_model}",
+                    "pick a latent width such as d_model // 2")
+        if self.n_dense_layers > self.n_layers:
+            bad("n_dense_layers", f"exceeds n_layers = {self.n_layers}", "lower n_dense_layers")
+        if self.balancing not in ("none", "aux_loss", "bias", "quantile"):
+            bad("balancing", "is not one of none, aux_loss, bias, quantile", "pick one of those")
+        if self.router_score != "sigmoid":
+            bad("router_score", "is not supported", "use router_score = 'sigmoid'")
+        if self.d_model % self.kda_heads != 0:
+            bad("kda_heads", f"must divide d_model = {self.d_model}", "pick a head count dividing d_model")
+        if self.d_model % self.mla_heads != 0:
+            bad("mla_heads", f"must divide d_model = {self.d_model}", "pick a head count dividing d_model")
+        for k, v in self.qat.items():
+            if k not in ("expert_weights", "activations", "linears"):
+                raise K3ConfigError(f"{self.name}: qat key {k!r} is unknown; use expert_weights, activations or linears")
+            if v not in ("mxfp4", "mxfp8", "none", None):
+                raise K3ConfigError(f"{self.name}: qat.{k} = {v!r} is unknown; use mxfp4, mxfp8 or none")
+        return self
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "K3Config":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise K3ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
+        return cls(**d).validate()
+
+    def replace(self, **changes) -> "K3Config":
+        return K3Config.from_dict({**self.to_dict(), **changes})
+
+
+# ---------------------------------------------------------------------- presets
+PRESETS: dict[str, dict] = {
+    # tests: well under 2M parameters, every feature on (KDA + MLA, block AttnRes, LatentMoE, shared expert)
+    "tiny": dict(name="tiny"),
+    # the demo model: trains on 2 CPU cores
+    "mini": dict(
+        name="mini", vocab_size=8192, d_model=256, n_layers=8, max_context=4096,
+        kda_heads=4, kda_head_dim=64, kda_gate_rank=64,
+        mla_heads=4, mla_q_lora_rank=128, mla_kv_lora_rank=128, mla_qk_head_dim=64, mla_v_head_dim=64,
+        attnres_sources=5,
+        n_dense_layers=1, dense_ffn=768,
+        moe_latent_dim=128, n_experts=64, n_active_experts=8, expert_ffn=256,
+        n_shared_experts=1, shared_ffn=512,
+    ),
+    # the full model, for counting and planning on the meta device; see docs/architecture.md
+    "k3": dict(
+        name="k3", vocab_size=163840, d_model=7168, n_layers=93, max_context=1048576,
+        kda_heads=64, kda_head_dim=128, kda_gate_rank=128,
+        mla_heads=64, mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
+        attnres_sources=9,
+        n_dense_layers=1, dense_ffn=18432,
+        moe_latent_dim=3584, n_experts=896, n_active_experts=16, expert_ffn=3072,
+        n_shared_experts=2, shared_ffn=3072, routed_scale=2.827,
+        init_std=0.006,
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> K3Config:
+    if name not in PRESETS:
+        raise K3ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return K3Config.from_dict({**PRESETS[name], **overrides})
