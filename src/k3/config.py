@@ -136,6 +136,11 @@ class K3Config:
         if self.attnres_sources > self.n_layers + 1:
             bad("attnres_sources", f"exceeds n_layers + 1 = {self.n_layers + 1} (embedding + one block per layer)",
                 "use fewer sources, or attnres = full for one source per sublayer")
+        if self.attnres_sources >= 2 and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
+            real = math.ceil(self.n_layers / self.attnres_block_size)
+            bad("attnres_sources", f"asks for {self.attnres_blocks} blocks, but blocks of ceil({self.n_layers}/"
+                f"{self.attnres_blocks}) = {self.attnres_block_size} layers give only {real}",
+                f"use attnres_sources = {real + 1}, or a count whose blocks tile n_layers")
         if self.attnres_sources < 2:
             bad("attnres_sources", "must be at least 2 (the embedding and one block)", "set attnres_sources >= 2")
         if self.moe not in ("latent", "standard"):

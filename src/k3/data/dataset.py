@@ -1,0 +1,284 @@
+"""Packed token datasets: documents tokenised once into one flat token file, read back through `np.memmap`.
+
+On disk, for a dataset named `train` in `out_dir`:
+  train.bin        the tokens of every document, each followed by `<|eos|>`, as uint16 (vocab <= 65536)
+                   or uint32
+  train.docs.npy   int64 offset of each document's first token (`doc_starts`)
+  train.json       the manifest: n_tokens, n_docs, dtype, tokenizer fingerprint, source; written last,
+                   so a manifest on disk always describes complete files
+All three are written atomically (temporary file + `os.replace`).
+
+Training batches are a pure function of (seed, step): window starts come from
+`np.random.SeedSequence([seed, step])`, so a run resumed at step s reads exactly the tokens the
+uninterrupted run would have, whatever happened before. Validation reads fixed, non-overlapping windows
+from the start of the split in order.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import numpy as np
+
+from k3.data.corpus import DEFAULT_VAL_FRACTION, Document, open_corpus
+from k3.data.tokenizer import (
+    DEFAULT_TOKENIZER_MAX_BYTES,
+    DEFAULT_VOCAB_SIZE,
+    TOKENIZER_FILE,
+    Tokenizer,
+    atomic_open,
+    atomic_write_text,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DATASET_FORMAT = 1
+DATA_MANIFEST = "data.json"
+_BATCH_SALT = 0x6B33  # keeps these streams apart from any other SeedSequence([seed, step]) in k3
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 holds ids 0..65535, i.e. any vocab of at most 65536 tokens; larger vocabs need uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class PackedDataset:
+    """A flat token file with document boundaries; `get_batch` for training, `iter_eval_batches` for eval."""
+
+    def __init__(self, manifest_path: str | os.PathLike):
+        self.manifest_path = Path(manifest_path)
+        if not self.manifest_path.is_file():
+            raise ValueError(f"no dataset manifest at {self.manifest_path}; build it with `k3 tokenize --out "
+                             f"{self.manifest_path.parent}`")
+        self.manifest = m = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        if m.get("format") != DATASET_FORMAT:
+            raise ValueError(f"{self.manifest_path} has dataset format {m.get('format')!r}, this k3 reads "
+                             f"{DATASET_FORMAT}; rebuild it with `k3 tokenize`")
+        root = self.manifest_path.parent
+        self.bin_path = root / m["bin"]
+        self.dtype = np.dtype(m["dtype"])
+        self.n_tokens = int(m["n_tokens"])
+        expected = self.n_tokens * self.dtype.itemsize
+        actual = self.bin_path.stat().st_size if self.bin_path.is_file() else None
+        if actual != expected:
+            raise ValueError(f"{self.bin_path} has {actual} bytes, the manifest says {expected} "
+                             f"({self.n_tokens} x {self.dtype}); the dataset is incomplete: rebuild it with "
+                             f"`k3 tokenize`")
+        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        self.doc_starts: np.ndarray = np.load(root / m["doc_starts"])
+
+    # ------------------------------------------------------------------ facts
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_starts)
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.manifest["tokenizer_hash"]
+
+    def __repr__(self) -> str:
+        return (f"PackedDataset({self.manifest.get('name')!r}, {self.n_tokens:,} tokens, {self.n_docs} docs, "
+                f"{self.dtype}, {str(self.manifest_path.parent)!r})")
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        if tokenizer.fingerprint != self.tokenizer_hash:
+            raise ValueError(f"{self.manifest_path} was built with a different tokenizer than {tokenizer.path or 'the one given'}; "
+                             f"rebuild the data with `k3 tokenize` (or point at the matching tokenizer.json)")
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """A window needs seq_len + 1 tokens (inputs plus the shifted targets)."""
+        if not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
+            raise ValueError(f"seq_len = {seq_len!r} must be a positive integer")
+        if self.n_tokens < seq_len + 1:
+            raise ValueError(f"dataset {self.manifest_path} has {self.n_tokens} tokens, fewer than seq_len + 1 = "
+                             f"{seq_len + 1} needed for one window; lower --seq-len or give more text (--data)")
+
+    # ------------------------------------------------------------------ training batches
+    def batch_starts(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
+                     rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """Window starts for `step`: rank `rank`'s slice of the global batch of batch_size * world_size."""
+        self.check_seq_len(seq_len)
+        for name, v in (("step", step), ("seed", seed), ("rank", rank)):
+            if not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} = {v!r} must be a non-negative integer")
+        if batch_size <= 0 or world_size <= 0 or rank >= world_size:
+            raise ValueError(f"need batch_size > 0 and 0 <= rank < world_size; got batch_size={batch_size}, "
+                             f"rank={rank}, world_size={world_size}")
+        state = np.random.SeedSequence([int(seed), int(step), _BATCH_SALT]).generate_state(
+            batch_size * world_size, dtype=np.uint64)
+        # n_windows <= 2**32 << 2**64, so the modulo bias is far below anything measurable
+        starts = (state % np.uint64(self.n_tokens - seq_len)).astype(np.int64)
+        return starts[rank * batch_size:(rank + 1) * batch_size]
+
+    def _windows(self, starts: Iterable[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # lazily: `k3 tokenize` never needs it
+
+        w = np.stack([np.asarray(self.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
+        return torch.from_numpy(w[:, :-1].copy()), torch.from_numpy(w[:, 1:].copy())
+
+    def get_batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
+                  rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), LongTensors [batch_size, seq_len], targets = inputs shifted by one token.
+        The content depends only on (seed, step) (and the rank's slice): resumable by construction."""
+        return self._windows(self.batch_starts(step, batch_size, seq_len, seed, rank, world_size), seq_len)
+
+    # ------------------------------------------------------------------ evaluation batches
+    def n_eval_windows(self, seq_len: int) -> int:
+        self.check_seq_len(seq_len)
+        return (self.n_tokens - 1) // seq_len
+
+    def iter_eval_batches(self, batch_size: int, seq_len: int,
+                          max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Non-overlapping windows from token 0 on, in order; the last batch may be smaller."""
+        n = self.n_eval_windows(seq_len)
+        if batch_size <= 0:
+            raise ValueError(f"batch_size = {batch_size} must be positive")
+        starts = np.arange(n, dtype=np.int64) * seq_len
+        for b, i in enumerate(range(0, n, batch_size)):
+            if max_batches is not None and b >= max_batches:
+                return
+            yield self._windows(starts[i:i + batch_size], seq_len)
+
+
+def build_dataset(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: str | os.PathLike,
+                  name: str = "train", *, source: str = "", progress: bool = False, total: int | None = None,
+                  chunk_docs: int = 64, extra: dict | None = None) -> PackedDataset:
+    """Tokenise `documents` once (each followed by `<|eos|>`) into `out_dir/{name}.bin` + manifest."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / f"{name}.json"
+    # the manifest marks a complete dataset: drop any old one before touching its files
+    manifest_path.unlink(missing_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = tokenizer.eos_id
+    doc_starts: list[int] = []
+    n_tokens = n_bytes = 0
+    t0 = time.perf_counter()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="doc", desc=f"tokenize {name}", disable=not progress)
+    try:
+        with atomic_open(out_dir / f"{name}.bin", "wb") as f:
+            chunk: list[str] = []
+
+            def flush() -> None:
+                nonlocal n_tokens
+                # corpus text is data: "<|eos|>" written in a file is bytes, not a document boundary
+                for ids in tokenizer.encode_batch(chunk, eos=True, allow_special=False):
+                    doc_starts.append(n_tokens)
+                    f.write(np.asarray(ids, dtype=dtype).tobytes())
+                    n_tokens += len(ids)
+                bar.update(len(chunk))
+                chunk.clear()
+
+            for _doc_id, text in documents:
+                chunk.append(text)
+                n_bytes += len(text.encode("utf-8"))
+                if len(chunk) >= chunk_docs:
+                    flush()
+            if chunk:
+                flush()
+            if n_tokens == 0:
+                raise ValueError(f"no documents to tokenise for dataset {name!r} ({source or 'no source'}); "
+                                 f"check --data")
+    finally:
+        bar.close()
+    with atomic_open(out_dir / f"{name}.docs.npy", "wb") as f:
+        np.save(f, np.asarray(doc_starts, dtype=np.int64))
+    manifest = {
+        "format": DATASET_FORMAT, "name": name, "bin": f"{name}.bin", "doc_starts": f"{name}.docs.npy",
+        "dtype": dtype.name, "n_tokens": n_tokens, "n_docs": len(doc_starts), "n_bytes": n_bytes,
+        "bytes_per_token": n_bytes / n_tokens, "vocab_size": tokenizer.vocab_size, "eos_id": eos,
+        "tokenizer_hash": tokenizer.fingerprint, "source": source, **(extra or {}),
+    }
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
+    log.info("%s: %s tokens from %d documents (%.2f bytes/token) in %.1fs", manifest_path, f"{n_tokens:,}",
+             len(doc_starts), n_bytes / n_tokens, time.perf_counter() - t0)
+    return PackedDataset(manifest_path)
+
+
+def load_dataset(out_dir: str | os.PathLike, name: str = "train", tokenizer: Tokenizer | None = None) -> PackedDataset:
+    """Open `out_dir/{name}.json`; with `tokenizer`, also check it is the one the tokens were made with."""
+    ds = PackedDataset(Path(out_dir) / f"{name}.json")
+    if tokenizer is not None:
+        ds.check_tokenizer(tokenizer)
+    return ds
+
+
+# ---------------------------------------------------------------------- the whole data step
+@dataclass
+class DataFiles:
+    out_dir: Path
+    tokenizer: Tokenizer
+    train: PackedDataset
+    val: PackedDataset
+    info: dict = field(default_factory=dict)  # the request, corpus description and timings (data.json)
+    reused: bool = False
+
+
+def load_data(out_dir: str | os.PathLike) -> DataFiles:
+    """Tokenizer + train/val datasets written by `prepare_data` / `k3 tokenize`, checked to match."""
+    out_dir = Path(out_dir)
+    tok = load_tokenizer(out_dir / TOKENIZER_FILE)
+    info_path = out_dir / DATA_MANIFEST
+    info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
+    return DataFiles(out_dir, tok, load_dataset(out_dir, "train", tok), load_dataset(out_dir, "val", tok), info)
+
+
+def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                 max_bytes: int | None = None, tokenizer_max_bytes: int = DEFAULT_TOKENIZER_MAX_BYTES,
+                 val_fraction: float = DEFAULT_VAL_FRACTION, progress: bool = False,
+                 force: bool = False) -> DataFiles:
+    """Train the tokenizer on the train split (first `tokenizer_max_bytes`), then pack train and val
+    (each capped at `max_bytes` if given). Reuses `out_dir` when it already holds this exact request."""
+    out_dir = Path(out_dir)
+    corpus = open_corpus(spec, val_fraction=val_fraction)
+    request = {
+        "format": DATASET_FORMAT, "source": corpus.description, "corpus_fingerprint": corpus.fingerprint(),
+        "vocab_size": vocab_size, "max_bytes": max_bytes, "tokenizer_max_bytes": tokenizer_max_bytes,
+        "val_fraction": val_fraction,
+    }
+    if not force and (out_dir / DATA_MANIFEST).is_file():
+        try:
+            files = load_data(out_dir)
+            if files.info.get("request") == request:
+                log.info("%s already holds this data (same corpus, vocab and caps); reusing it", out_dir)
+                files.reused = True
+                return files
+        except (ValueError, OSError, KeyError, json.JSONDecodeError) as err:
+            log.info("rebuilding %s: %s", out_dir, err)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / DATA_MANIFEST).unlink(missing_ok=True)
+
+    t0 = time.perf_counter()
+    tok_bytes = tokenizer_max_bytes if max_bytes is None else min(max_bytes, tokenizer_max_bytes)
+    tok = train_tokenizer(corpus.documents("train", max_bytes=tok_bytes), vocab_size,
+                          path=out_dir / TOKENIZER_FILE, progress=progress)
+    t_tok = time.perf_counter() - t0
+    datasets, timings = {}, {"tokenizer_s": round(t_tok, 3)}
+    for split in ("train", "val"):
+        t1 = time.perf_counter()
+        datasets[split] = build_dataset(
+            corpus.documents(split, max_bytes=max_bytes), tok, out_dir, split,
+            source=f"{corpus.description} [{split}]", progress=progress, total=len(corpus.doc_ids(split)),
+            extra={"split": split, "max_bytes": max_bytes, "corpus_fingerprint": corpus.fingerprint()},
+        )
+        timings[f"{split}_s"] = round(time.perf_counter() - t1, 3)
+    info = {"request": request, "timings": timings, "tokenizer_hash": tok.fingerprint,
+            "tokenizer_bytes": tok.trained_bytes}
+    atomic_write_text(out_dir / DATA_MANIFEST, json.dumps(info, indent=2) + "\n")
+    return DataFiles(out_dir, tok, datasets["train"], datasets["val"], info)

@@ -1,0 +1,253 @@
+"""Byte-level BPE (HF `tokenizers`), with k3's special tokens reserved at fixed ids 0..16.
+
+Byte-level means every string round-trips exactly (any Unicode, any whitespace) and there is no unknown
+token: the 256 byte symbols are always in the vocabulary. `SPECIAL_TOKENS` is the one list of reserved
+tokens; their ids are their positions in it, so a chat template or a loss mask can rely on them.
+
+Training on the full stdlib corpus is bounded by `DEFAULT_TOKENIZER_MAX_BYTES` (the first ~20 MB of the
+train split, in sorted file order), which keeps BPE training to seconds on two CPU cores.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Sequence
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|bos|>", "<|eos|>", "<|pad|>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>",
+    "<|tool_call|>", "<|/tool_call|>",
+    "<|tool_result|>", "<|/tool_result|>",
+    "<|think|>", "<|/think|>",
+    "<|effort:low|>", "<|effort:medium|>", "<|effort:high|>",
+)
+N_BYTES = 256
+MIN_VOCAB_SIZE = N_BYTES + len(SPECIAL_TOKENS)
+DEFAULT_VOCAB_SIZE = 8192
+DEFAULT_TOKENIZER_MAX_BYTES = 20_000_000
+TOKENIZER_FILE = "tokenizer.json"
+
+
+# ---------------------------------------------------------------------- atomic files
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Write to a temporary file beside `path`, fsync, then `os.replace` it into place; on any error the
+    temporary file is removed and `path` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+# ---------------------------------------------------------------------- the tokenizer
+class Tokenizer:
+    """A thin wrapper over a `tokenizers.Tokenizer` with k3's special tokens."""
+
+    def __init__(self, hf, path: str | os.PathLike | None = None):
+        self.hf = hf
+        self.path = Path(path) if path is not None else None
+        self._check_specials()
+        self._plain = None  # a copy that encodes special-token strings as ordinary text
+        self.trained_bytes: int | None = None  # set by train_tokenizer
+
+    def _check_specials(self) -> None:
+        for i, tok in enumerate(SPECIAL_TOKENS):
+            got = self.hf.token_to_id(tok)
+            if got != i:
+                where = f" in {self.path}" if self.path else ""
+                raise ValueError(f"tokenizer{where} has special token {tok} at id {got}, expected {i}; it was not "
+                                 f"made by k3 (or by an older k3): retrain it with `k3 tokenize`")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the serialised tokenizer; datasets record it to detect a tokenizer swap."""
+        return hashlib.sha256(self.hf.to_str().encode("utf-8")).hexdigest()
+
+    def special_id(self, name: str) -> int:
+        """Id of a special token, by full form (`"<|eos|>"`) or short name (`"eos"`, `"effort:high"`)."""
+        tok = name if name.startswith("<|") else f"<|{name}|>"
+        try:
+            return SPECIAL_TOKENS.index(tok)
+        except ValueError:
+            raise ValueError(f"unknown special token {name!r}; known: {', '.join(SPECIAL_TOKENS)}") from None
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_id("bos")
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_id("eos")
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_id("pad")
+
+    def _encoder(self, allow_special: bool):
+        if allow_special:
+            return self.hf
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._plain = HFTokenizer.from_str(self.hf.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`. With `allow_special=False`, strings such as "<|eos|>" inside `text` are
+        encoded as plain bytes (use this for untrusted or corpus text)."""
+        ids = self._encoder(allow_special or "<|" not in text).encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: Sequence[str], *, bos: bool = False, eos: bool = False,
+                     allow_special: bool = True) -> list[list[int]]:
+        texts = list(texts)
+        # The plain encoder is slower, and only matters for texts that contain "<|" (every special does).
+        plain = [] if allow_special else [i for i, t in enumerate(texts) if "<|" in t]
+        out = _ids(self.hf, texts)
+        if plain:
+            for i, ids in zip(plain, _ids(self._encoder(False), [texts[i] for i in plain])):
+                out[i] = ids
+        if bos or eos:
+            pre, post = ([self.bos_id] if bos else []), ([self.eos_id] if eos else [])
+            out = [pre + ids + post for ids in out]
+        return out
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def decode_batch(self, batch: Iterable[Iterable[int]], *, skip_special: bool = False) -> list[str]:
+        return self.hf.decode_batch([[int(i) for i in ids] for ids in batch], skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.hf.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def bytes_per_token(self, texts: Iterable[str] | str) -> float:
+        """UTF-8 bytes per token over `texts` (the compression ratio; higher is better)."""
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        n_tokens = sum(len(ids) for ids in self.encode_batch(texts, allow_special=False))
+        if n_tokens == 0:
+            raise ValueError("bytes_per_token needs non-empty text")
+        return n_bytes / n_tokens
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write `tokenizer.json` atomically (`path` may be a directory or a file name)."""
+        path = Path(path)
+        if path.suffix != ".json":
+            path = path / TOKENIZER_FILE
+        atomic_write_text(path, self.hf.to_str(pretty=True))
+        self.path = path
+        return path
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, path={str(self.path) if self.path else None!r})"
+
+
+def _ids(hf, texts: list[str]) -> list[list[int]]:
+    fast = getattr(hf, "encode_batch_fast", hf.encode_batch)  # no offsets: faster where available
+    return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+
+def _texts(documents: Iterable) -> Iterator[str]:
+    for d in documents:
+        yield d if isinstance(d, str) else d[1]
+
+
+def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *,
+                    path: str | os.PathLike | None = None, min_frequency: int = 2,
+                    allow_short: bool = False, progress: bool = False) -> Tokenizer:
+    """Train byte-level BPE on `documents` (strings or `(doc_id, text)` pairs) and optionally save it.
+
+    The caller bounds the time by bounding the text (e.g. `corpus.documents(max_bytes=...)`). If the text
+    cannot support `vocab_size` tokens (too few distinct pairs seen `min_frequency` times), the trainer stops
+    short: that is an error unless `allow_short`, in which case it is logged and the smaller vocab kept.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size = {vocab_size!r} is too small: byte-level BPE needs {N_BYTES} byte tokens + "
+                         f"{len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE}; use --vocab-size >= "
+                         f"{MIN_VOCAB_SIZE} (e.g. 8192)")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, show_progress=progress,
+        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    n_bytes = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal n_bytes
+        for t in _texts(documents):
+            n_bytes += len(t.encode("utf-8"))
+            yield t
+
+    hf.train_from_iterator(counted(), trainer=trainer)
+    if n_bytes == 0:
+        raise ValueError("cannot train a tokenizer on an empty corpus; check --data")
+    tok = Tokenizer(hf)
+    tok.trained_bytes = n_bytes
+    got = tok.vocab_size
+    if got < vocab_size:
+        msg = (f"the training text ({n_bytes:,} bytes) supports only {got} tokens, fewer than vocab_size = "
+               f"{vocab_size}: lower --vocab-size to {got} or less, or give more text (--data / --max-bytes)")
+        if not allow_short:
+            raise ValueError(msg)
+        log.warning("%s; keeping %d tokens", msg, got)
+    log.info("trained byte-level BPE: %d tokens from %s bytes", got, f"{n_bytes:,}")
+    if path is not None:
+        tok.save(path)
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a k3 tokenizer from `tokenizer.json` or a directory containing one."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise ValueError(f"no tokenizer at {path}; build one with `k3 tokenize --out {path.parent}`")
+    try:
+        hf = HFTokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        raise ValueError(f"{path} is not a valid tokenizer.json ({err}); rebuild it with `k3 tokenize`") from None
+    return Tokenizer(hf, path)

@@ -1,0 +1,245 @@
+"""Attention Residuals: each sublayer reads a learned softmax mix of earlier representations over depth.
+
+What the sources say (Kimi Team, "Attention Residuals", arXiv 2603.15031; MoonshotAI/Attention-Residuals
+README, Fig. 2 pseudocode; the `flash-attn-res` package, catswe/flash-attention-residuals):
+
+- h_l = sum_i alpha_{i->l} v_i with alpha_{i->l} = softmax_i(w_l^T RMSNorm(v_i)) (Eq. 2-4); w_l is a
+  learned pseudo-query per sublayer, zero-initialised so the first mix is a uniform average (Sec. 5:
+  "all pseudo-query vectors must be initialized to zero"). No 1/sqrt(d) scale in the pseudocode.
+- The paper's "layer" is a sublayer: two AttnRes operations per transformer layer, before attention and
+  before the MLP, each with its own query and its own RMSNorm (Fig. 2: attn_res_proj/attn_res_norm,
+  mlp_res_proj/mlp_res_norm; Sec. 5: "one RMSNorm and one pseudo-query vector per layer"). The norm is
+  an RMSNorm module, i.e. with a learned weight g; we keep g (init 1). flash-attn-res normalises the
+  keys without a weight; g folds into the query (w * g), so both agree whenever g = 1.
+- Block AttnRes (Sec. 3.2, Eq. 5-6): b_0 = token embedding; block n sums its sublayer outputs,
+  b_n = sum_{j in B_n} f_j(h_j), with partial sum b_n^i over its first i sublayers. The FIRST sublayer of
+  block n sees [b_0, ..., b_{n-1}] only -- there is no empty partial-sum source -- and sublayer i >= 2
+  sees [b_0, ..., b_{n-1}, b_n^{i-1}]. Algorithm 1 says the same (line 8: first sublayer = phase 1 only),
+  and so do Fig. 2 (the boundary check moves the finished partial sum into `blocks` before the attention
+  output starts the new one) and flash-attn-res's reference loop. Blocks align with transformer layers
+  (Fig. 2: "block_size counts ATTN + MLP"); Kimi Linear 48B: 54 sublayers, 6 per block, 9 blocks +
+  embedding = 10 sources. When the count does not divide, the last block is shorter (Sec. 3.2).
+- "The final output layer aggregates all N block representations" (Sec. 3.2): we read it as one more
+  AttnRes with its own query over [b_0, b_1, ..., b_N] (embedding included, as flash-attn-res's reference
+  does with its last query), followed by the model's final norm and head.
+- Full AttnRes: every sublayer output is its own source: sublayer j sees [emb, f_0, ..., f_{j-1}].
+  The paper notes S = 1 (one sublayer per block) recovers Full; our blocks are whole layers (2 sublayers),
+  so no `block` setting equals `full` -- they coincide only for the first two sublayers.
+- Two-phase computation (Sec. 4.2, Algorithm 1): queries do not depend on the hidden state, so phase 1
+  scores all queries of a block against the completed sources at once; phase 2 merges each sublayer's
+  intra-block source(s) by online softmax. Exact, not an approximation. For Full AttnRes we group
+  sublayers in the same blocks; phase 2 then merges the group's individual outputs.
+
+mode 'none' is the plain pre-norm residual stream: h = emb + sum of all outputs so far (no parameters).
+
+Protocol (one state per forward; T may be 1, every token is mixed on its own):
+    state = attnres.start(emb)                 # emb [B, T, D]
+    for i in range(n_layers):
+        h = attnres.mix(state, 2*i);     attnres.push(state, 2*i, token_mixer(norm(h)))
+        h = attnres.mix(state, 2*i + 1); attnres.push(state, 2*i + 1, channel_mixer(norm(h)))
+    h_final = attnres.final(state)             # then final norm + head
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.ops.attnres import IMPLS, Phase1Stats, attnres_mix, blockwise_mix, merged_weights, phase1, phase2
+
+__all__ = ["AttnRes", "AttnResState"]
+
+
+class _Vectors(nn.ParameterList):
+    """One 1-D parameter per AttnRes operation. Kept as vectors, not one [n, D] matrix, so that optimizer
+    rules keyed on ndim (e.g. Muon for 2-D weights) treat them like norms and biases."""
+
+    def __init__(self, n: int, d: int, value: float):
+        super().__init__(nn.Parameter(torch.full((d,), value)) for _ in range(n))
+
+    def extra_repr(self) -> str:
+        return f"{len(self)} x [{self[0].shape[0]}]" if len(self) else "empty"
+
+
+@dataclass
+class AttnResState:
+    """Depth sources of one forward pass.
+
+    completed: sources fixed while the current block runs ([emb, b_1, ..., b_{n-1}] for block; emb and
+        every output before the block for full; empty for none).
+    current: sources that grow inside the block ([b_n^i] or [] for block; the block's outputs so far for
+        full; [running residual] for none).
+    step: the sublayer whose mix/push comes next. block_start: first sublayer of the current block.
+    stats: phase-1 statistics of the current block (blockwise impl). shape: [B, T, D] of every source.
+    """
+
+    completed: list[torch.Tensor] = field(default_factory=list)
+    current: list[torch.Tensor] = field(default_factory=list)
+    step: int = 0
+    block_start: int = 0
+    stats: Phase1Stats | None = None
+    shape: tuple[int, ...] = ()
+
+
+class AttnRes(nn.Module):
+    """Pseudo-queries and key-norm weights of every AttnRes operation: 2 per layer plus the final mix.
+
+    config.attnres: 'block' | 'full' | 'none'; impl: 'blockwise' (two-phase) | 'naive' (all sources
+    stacked per mix). Both give the same outputs and gradients. Set `record_weights = True` to keep, per
+    sublayer j (j = 2 * n_layers is the final mix), `last_weights[j]`: the softmax weights over its
+    sources averaged over batch and tokens (detached), and `entropy()`.
+    """
+
+    def __init__(self, config: K3Config, impl: str = "blockwise"):
+        super().__init__()
+        config.validate()
+        if impl not in IMPLS:
+            raise ValueError(f"AttnRes impl = {impl!r} is unknown; pick one of {list(IMPLS)}")
+        self.mode = config.attnres
+        self.impl = impl
+        self.n_layers = config.n_layers
+        self.d_model = config.d_model
+        self.eps = config.norm_eps
+        self.n_sublayers = 2 * config.n_layers
+        self.block_size = config.attnres_block_size  # transformer layers per block
+        self.block_sublayers = 2 * self.block_size  # sublayers per block (and per phase-1 batch)
+        self.n_blocks = math.ceil(config.n_layers / self.block_size)
+        if self.mode != "none":
+            n = self.n_sublayers + 1
+            self.pseudo_query = _Vectors(n, config.d_model, 0.0)  # w_l: zero, so the first mix is uniform
+            self.key_norm = _Vectors(n, config.d_model, 1.0)  # g_l of RMSNorm(v_i) in the logits
+        self.record_weights = False
+        self.last_weights: dict[int, torch.Tensor] = {}
+        self._entropy: dict[int, torch.Tensor] = {}
+
+    def reset_parameters(self) -> None:
+        """Queries to zero (uniform mix at start, as the paper requires), key-norm weights to one."""
+        if self.mode == "none":
+            return
+        with torch.no_grad():
+            for q, g in zip(self.pseudo_query, self.key_norm):
+                q.zero_()
+                g.fill_(1.0)
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode}, impl={self.impl}, d_model={self.d_model}, n_layers={self.n_layers}, "
+                f"block_size={self.block_size} layers, n_blocks={self.n_blocks}")
+
+    @property
+    def final_index(self) -> int:
+        return self.n_sublayers
+
+    def n_sources(self, j: int) -> int:
+        """How many sources sublayer j mixes (j = 2 * n_layers: the final mix); 1 for mode 'none'."""
+        if not 0 <= j <= self.n_sublayers:
+            raise ValueError(f"sublayer index {j} is outside 0 .. {self.n_sublayers} (2 * n_layers is the final mix)")
+        if self.mode == "none":
+            return 1
+        if self.mode == "full":
+            return 1 + j
+        return 1 + j // self.block_sublayers + (1 if j % self.block_sublayers else 0)
+
+    # ------------------------------------------------------------------ protocol
+    def start(self, emb: torch.Tensor) -> AttnResState:
+        """emb [B, T, D] (D = d_model) becomes source 0."""
+        if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[-1] != self.d_model:
+            got = list(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
+            raise ValueError(f"AttnRes.start expects emb of shape [B, T, D] with D = d_model = {self.d_model}, got {got}")
+        if self.record_weights:
+            self.last_weights, self._entropy = {}, {}
+        shape = tuple(emb.shape)
+        if self.mode == "none":
+            return AttnResState(current=[emb], shape=shape)
+        return AttnResState(completed=[emb], shape=shape)
+
+    def mix(self, state: AttnResState, j: int) -> torch.Tensor:
+        """The input h [B, T, D] of sublayer j (before its pre-norm)."""
+        self._check_step(state, j, "mix")
+        if self.mode == "none":
+            return state.current[0]
+        self._enter(state, j)
+        q, g = self.pseudo_query[j], self.key_norm[j]
+        if self.impl == "naive":
+            h, weights = attnres_mix(torch.stack(state.completed + state.current), q, g, self.eps)
+            self._record(j, weights)
+            return h
+        if state.stats is None:  # first mix of the block: phase 1 for all of its queries at once
+            j0, j1 = state.block_start, min(state.block_start + self.block_sublayers, self.n_sublayers)
+            queries = torch.stack([self.pseudo_query[k] for k in range(j0, j1)])
+            norms = torch.stack([self.key_norm[k] for k in range(j0, j1)])
+            state.stats = phase1(torch.stack(state.completed), queries, norms, self.eps)
+        one = state.stats.select(j - state.block_start)
+        out = phase2(one, q, g, torch.stack(state.current) if state.current else None, self.eps)
+        if self.record_weights:
+            self._record(j, merged_weights(one.logits, out.logits, out.m, out.l))
+        return out.h.to(state.completed[0].dtype)
+
+    def push(self, state: AttnResState, j: int, y: torch.Tensor) -> None:
+        """Record sublayer j's output y [B, T, D]."""
+        self._check_step(state, j, "push")
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != state.shape:
+            got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"AttnRes.push: output of sublayer {j} must have shape [B, T, D] = {list(state.shape)}, got {got}")
+        if self.mode == "none":
+            state.current[0] = state.current[0] + y
+        else:
+            self._enter(state, j)
+            if self.mode == "block":
+                state.current = [state.current[0] + y] if state.current else [y]
+            else:
+                state.current.append(y)
+        state.step += 1
+
+    def final(self, state: AttnResState) -> torch.Tensor:
+        """The mix before the final norm and head, over every source: [B, T, D]."""
+        if not isinstance(state, AttnResState):
+            raise ValueError(f"AttnRes.final expects the AttnResState from start(), got {type(state).__name__}")
+        if state.step != self.n_sublayers:
+            raise ValueError(f"AttnRes.final called after {state.step} of {self.n_sublayers} sublayer outputs; "
+                             "push every sublayer (0 .. 2 * n_layers - 1) first")
+        if self.mode == "none":
+            return state.current[0]
+        j = self.final_index
+        q, g = self.pseudo_query[j], self.key_norm[j]
+        if self.impl == "naive":
+            h, weights = attnres_mix(torch.stack(state.completed + state.current), q, g, self.eps)
+        else:
+            extra = torch.stack(state.current) if state.current else None
+            h, weights = blockwise_mix(torch.stack(state.completed), q, g, extra, self.eps)
+        self._record(j, weights)
+        return h
+
+    # ------------------------------------------------------------------ metrics
+    def entropy(self) -> dict[int, float]:
+        """Per sublayer j: mean over batch and tokens of the entropy (nats) of its weights over sources,
+        from the last recorded forward. log(n_sources(j)) means a uniform mix, 0 a single source."""
+        return {j: float(e) for j, e in self._entropy.items()}
+
+    # ------------------------------------------------------------------ internals
+    def _check_step(self, state: AttnResState, j: int, what: str) -> None:
+        if not isinstance(state, AttnResState):
+            raise ValueError(f"AttnRes.{what} expects the AttnResState from start(), got {type(state).__name__}")
+        if j != state.step or j >= self.n_sublayers:
+            raise ValueError(f"AttnRes.{what}(state, {j}) out of order: the next sublayer is {state.step} of "
+                             f"0 .. {self.n_sublayers - 1}; call mix(state, j) then push(state, j, y) for each j in turn")
+
+    def _enter(self, state: AttnResState, j: int) -> None:
+        """If sublayer j opens a new block, seal the finished one into the completed sources."""
+        if j % self.block_sublayers or j == state.block_start:
+            return
+        if self.mode == "block":
+            state.completed.append(state.current[0])
+        else:
+            state.completed.extend(state.current)
+        state.current, state.block_start, state.stats = [], j, None
+
+    def _record(self, j: int, weights: torch.Tensor) -> None:
+        if not self.record_weights:
+            return
+        with torch.no_grad():
+            w = weights.detach().float()  # [B, T, S]
+            self.last_weights[j] = w.mean(dim=(0, 1))
+            self._entropy[j] = -torch.special.xlogy(w, w).sum(-1).mean()

@@ -1,0 +1,151 @@
+"""Gated Multi-head Latent Attention: latent KV cache, NoPE, sigmoid output gate, absorbed decode.
+
+- MLA (DeepSeek-V2, arXiv 2405.04434; DeepSeek-V3, arXiv 2412.19437 and its `inference/model.py`):
+  keys and values are up-projected from one normalised latent `c_kv = RMSNorm(W_DKV x)`; only `c_kv`
+  is cached. At decode the key up-projection W_UK is absorbed into the query and W_UV is applied after
+  attending over latents, so k and v are never materialised.
+- NoPE (Kimi Linear, arXiv 2510.26692): the MLA layers carry no rotary embedding; position comes from
+  the KDA layers, so there is no decoupled rope key to cache either.
+- Output gate (Gated Attention, arXiv 2505.06708, "G1"): o = SDPA(q, k, v) * sigmoid(W_g x), elementwise
+  and query dependent, before the output projection W_O.
+- QK-Clip (Kimi K2, arXiv 2507.20534): with `track_max_logits` the layer records the per-head max logit
+  S_max^h; `qk_clip_` rescales head h's query rows and key rows by sqrt(gamma_h), gamma_h = min(1, tau/S_max^h).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import MLACache
+
+
+class GatedMLA(nn.Module):
+    """x [B, T, d_model] -> y [B, T, d_model]; `cache` is this layer's MLACache slot (latent only).
+
+    Weights, named after DeepSeek-V3 (H heads, K = qk_head_dim, V = v_head_dim, C = kv_lora_rank):
+      q:  wq [H*K, d]   or   wq_a [q_lora, d] -> q_norm -> wq_b [H*K, q_lora]
+      kv: wkv_a [C, d] -> kv_norm = c_kv (cached);  wkv_b [H*(K+V), C], per head K key rows (W_UK) then V value rows (W_UV)
+      gate: w_gate [H*V, d];  out: wo [d, H*V]
+    QK-Clip must rescale, for head h, rows h*K:(h+1)*K of `wq_b.weight` (or `wq.weight`) and rows
+    h*(K+V):h*(K+V)+K of `wkv_b.weight` (its key half); the value rows are left alone (see `qk_clip_`).
+    """
+
+    def __init__(self, config: K3Config, layer_idx: int = 0):
+        super().__init__()
+        config.validate()
+        self.layer_idx = layer_idx
+        self.d_model, self.n_heads = config.d_model, config.mla_heads
+        self.q_lora_rank, self.kv_lora_rank = config.mla_q_lora_rank, config.mla_kv_lora_rank
+        self.qk_head_dim, self.v_head_dim = config.mla_qk_head_dim, config.mla_v_head_dim
+        self.softmax_scale = 1.0 / math.sqrt(self.qk_head_dim)
+        d, H, K, V, C = self.d_model, self.n_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
+        if self.q_lora_rank > 0:
+            self.wq_a = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=config.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, H * K, bias=False)
+        else:
+            self.wq = nn.Linear(d, H * K, bias=False)
+        self.wkv_a = nn.Linear(d, C, bias=False)
+        self.kv_norm = nn.RMSNorm(C, eps=config.norm_eps)
+        self.wkv_b = nn.Linear(C, H * (K + V), bias=False)  # no bias: absorption needs it linear
+        self.w_gate = nn.Linear(d, H * V, bias=False)
+        self.wo = nn.Linear(H * V, d, bias=False)
+        self.absorb: bool | None = None  # None: absorbed path exactly when decoding (cache given, T == 1)
+        self.track_max_logits = False
+        self.max_logits: torch.Tensor | None = None  # [H], set by forward when tracking
+        if self.wo.weight.device.type != "meta":
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, std=config.init_std)
+
+    @property
+    def q_proj(self) -> nn.Linear:
+        """The linear whose output rows are the per-head queries (wq_b, or wq for full-rank q)."""
+        return self.wq_b if self.q_lora_rank > 0 else self.wq
+
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None, absorb: bool | None = None) -> torch.Tensor:
+        self._check(x, cache)
+        B, T, _ = x.shape
+        q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
+        q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim)
+        c_kv = self.kv_norm(self.wkv_a(x))  # [B, T, C]
+        P = 0
+        if cache is not None:
+            P = cache.length
+            c_kv = cache.append(c_kv)  # [B, P + T, C]
+        absorb = absorb if absorb is not None else self.absorb
+        if absorb is None:
+            absorb = cache is not None and T == 1
+        o = (self._absorbed if absorb else self._naive)(q, c_kv, P)  # [B, T, H, V]
+        o = o.reshape(B, T, -1) * torch.sigmoid(self.w_gate(x))
+        return self.wo(o)
+
+    def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int) -> torch.Tensor:
+        """Materialise k, v [B, S, H, *] from the latent and run SDPA; queries sit at positions P..P+T-1."""
+        B, T, H, K = q.shape
+        S = c_kv.shape[1]
+        k, v = self.wkv_b(c_kv).view(B, S, H, K + self.v_head_dim).split([K, self.v_head_dim], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        mask = None if P == 0 else _causal_mask(T, S, P, q.device)
+        if self.track_max_logits:
+            self._track(torch.einsum("bhtk,bhsk->bhts", q, k) * self.softmax_scale, T, S, P)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=P == 0, scale=self.softmax_scale)
+        return o.transpose(1, 2)
+
+    def _absorbed(self, q: torch.Tensor, c_kv: torch.Tensor, P: int) -> torch.Tensor:
+        """Attend in latent space: q W_UK scores against c_kv directly, W_UV applied after the softmax."""
+        B, T, H, K = q.shape
+        S = c_kv.shape[1]
+        w = self.wkv_b.weight.view(H, K + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, :K], w[:, K:]
+        q_latent = torch.einsum("bthk,hkc->bthc", q, w_uk)
+        scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv) * self.softmax_scale
+        if self.track_max_logits:
+            self._track(scores, T, S, P)
+        scores = scores.masked_fill(~_causal_mask(T, S, P, q.device), float("-inf"))
+        p = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)
+        o_latent = torch.einsum("bhts,bsc->bthc", p, c_kv)
+        return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
+
+    def _track(self, scores: torch.Tensor, T: int, S: int, P: int) -> None:
+        """scores [B, H, T, S] pre-softmax scaled logits; keeps the max over visible entries per head."""
+        masked = scores.detach().masked_fill(~_causal_mask(T, S, P, scores.device), float("-inf"))
+        self.max_logits = masked.amax(dim=(0, 2, 3))
+
+    @torch.no_grad()
+    def qk_clip_(self, tau: float = 100.0) -> torch.Tensor:
+        """QK-Clip (Kimi K2): gamma_h = min(1, tau / S_max^h); scale head h's q rows and k rows by sqrt(gamma_h).
+
+        Uses `max_logits` from the last tracked forward; returns gamma [H]. NoPE means there is no shared
+        rotary key, so both halves of every head are per-head and take sqrt(gamma_h) each.
+        """
+        if self.max_logits is None:
+            raise ValueError("qk_clip_ needs max_logits; set track_max_logits = True and run a forward first")
+        H, K, V = self.n_heads, self.qk_head_dim, self.v_head_dim
+        gamma = (tau / self.max_logits.clamp_min(1e-30)).clamp(max=1.0)
+        s = gamma.sqrt().to(self.wkv_b.weight.dtype)
+        self.q_proj.weight.view(H, K, -1).mul_(s[:, None, None])
+        self.wkv_b.weight.view(H, K + V, -1)[:, :K].mul_(s[:, None, None])
+        return gamma
+
+    def _check(self, x: torch.Tensor, cache: MLACache | None) -> None:
+        want = f"[B, T, d_model] = [B, T, {self.d_model}] with dtype {self.wo.weight.dtype}"
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model \
+                or x.shape[0] == 0 or x.shape[1] == 0:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"GatedMLA expects x of shape {want}, got {shape}")
+        if not x.is_floating_point() or (x.dtype != self.wo.weight.dtype
+                                         and not torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"GatedMLA expects x of shape {want}, got dtype {x.dtype}; cast x or the layer")
+        if cache is not None and cache.latent is not None and cache.latent.shape[0] != x.shape[0]:
+            raise ValueError(f"cache holds batch {cache.latent.shape[0]} but x has batch {x.shape[0]}; "
+                             "use one cache per batch of sequences")
+
+
+def _causal_mask(T: int, S: int, P: int, device) -> torch.Tensor:
+    """[T, S] bool, True = visible: query i (absolute position P + i) sees keys 0..P + i."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=P)

@@ -1,0 +1,120 @@
+"""The K3 model: embedding -> layers (KDA or Gated MLA, then dense MLP or LatentMoE) -> head.
+
+Depth is mixed by Block Attention Residuals: every sublayer reads a learned softmax mix of earlier
+representations (`AttnRes`), instead of a plain residual sum. Layer i's token mixer is chosen by the
+config's layer pattern (K = KDA, M = Gated MLA); its channel mixer is a dense SwiGLU for the first
+`n_dense_layers` layers and (Latent)MoE otherwise. Parallelism is applied from outside (k3.parallel).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import KDA, K3Config
+from k3.model.attnres import AttnRes
+from k3.model.cache import HybridCache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import MoE, SwiGLU
+
+
+class Block(nn.Module):
+    """One K3 layer: pre-norm token mixer and pre-norm channel mixer. The residual wiring lives in AttnRes."""
+
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.kind = config.pattern[layer_idx]
+        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mixer = (KimiDeltaAttention if self.kind == KDA else GatedMLA)(config, layer_idx)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.ffn = MoE(config) if config.is_moe_layer(layer_idx) else SwiGLU(config.d_model, config.dense_ffn)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config.validate()
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.attnres = AttnRes(config)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        if self.embed.weight.device.type != "meta":
+            nn.init.normal_(self.embed.weight, std=config.init_std)
+            if not config.tie_embeddings:
+                nn.init.normal_(self.head.weight, std=config.init_std)
+
+    # ------------------------------------------------------------------ forward
+    def new_cache(self) -> HybridCache:
+        return HybridCache.for_config(self.config)
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, d_model]."""
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
+        if cache is not None and len(cache) != len(self.layers):
+            raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
+                             "make it with model.new_cache()")
+        T = input_ids.shape[1]
+        seen = cache.seen_tokens if cache is not None else 0
+        if seen + T > self.config.max_context:
+            raise ValueError(f"sequence of {seen + T} tokens exceeds max_context = {self.config.max_context}")
+        x = self.embed(input_ids)
+        ar = self.attnres
+        state = ar.start(x)
+        for i, block in enumerate(self.layers):
+            h = ar.mix(state, 2 * i)
+            ar.push(state, 2 * i, block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
+            h = ar.mix(state, 2 * i + 1)
+            ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
+        if cache is not None:
+            cache.seen_tokens += T
+        return self.norm(ar.final(state))
+
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab]. With a cache, the tokens continue the cached sequence."""
+        return self.head(self.hidden_states(input_ids, cache))
+
+    # ------------------------------------------------------------------ introspection
+    def moe_layers(self) -> list[MoE]:
+        return [b.ffn for b in self.layers if isinstance(b.ffn, MoE)]
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the routers' balance losses from the last forward (0 unless balancing = aux_loss)."""
+        losses = [m.router.aux_loss for m in self.moe_layers() if getattr(m.router, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else 0.0
+
+    def update_balancing(self) -> None:
+        """Apply the routers' balancing updates (bias / quantile); call once per optimizer step."""
+        for m in self.moe_layers():
+            m.router.update_balancing()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Minimal cached sampling loop: prefill once, then one token at a time. [B, T] -> [B, T + new]."""
+        cache = self.new_cache()
+        logits = self(input_ids, cache)[:, -1]
+        out = [input_ids]
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_p, generator)
+            out.append(nxt)
+            logits = self(nxt, cache)[:, -1]
+        return torch.cat(out, dim=1)
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> next ids [B, 1]; temperature 0 is greedy; top_p keeps the smallest nucleus."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -1,0 +1,182 @@
+"""Packed datasets: one tokenisation pass, memmapped reads, batches that depend only on (seed, step)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from k3.cli import main
+from k3.data.corpus import open_corpus
+from k3.data.dataset import build_dataset, load_data, load_dataset, prepare_data, token_dtype
+from k3.data.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return list(open_corpus().documents("train", max_bytes=150_000))
+
+
+@pytest.fixture(scope="module")
+def tok(docs):
+    return train_tokenizer(docs, 512)
+
+
+@pytest.fixture(scope="module")
+def ds(docs, tok, tmp_path_factory):
+    return build_dataset(docs, tok, tmp_path_factory.mktemp("ds"), "train", source="test")
+
+
+def test_layout_dtype_and_doc_boundaries(ds, docs, tok):
+    assert sorted(p.name for p in ds.bin_path.parent.iterdir()) == ["train.bin", "train.docs.npy", "train.json"]
+    assert isinstance(ds.tokens, np.memmap) and ds.tokens.dtype == np.uint16
+    m = json.loads(ds.manifest_path.read_text())
+    assert m["n_tokens"] == len(ds) == ds.bin_path.stat().st_size // 2
+    assert m["n_docs"] == ds.n_docs == len(docs) and m["tokenizer_hash"] == tok.fingerprint
+    ends = list(ds.doc_starts[1:]) + [len(ds)]
+    for (_, text), s, e in zip(docs, ds.doc_starts, ends):
+        assert ds.tokens[e - 1] == tok.eos_id  # each document is followed by <|eos|>
+        assert tok.decode(ds.tokens[s:e - 1]) == text
+    assert int((np.asarray(ds.tokens) == tok.eos_id).sum()) == len(docs)
+
+
+def test_token_dtype():
+    assert token_dtype(512) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(163840) == np.uint32
+
+
+class _BigVocab:
+    """Stands in for a tokenizer with a vocabulary too large for uint16."""
+    vocab_size, eos_id, fingerprint = 163840, 1, "big"
+
+    def encode_batch(self, texts, eos=False, allow_special=True):
+        return [[100_000 + len(t), 70_000] + ([self.eos_id] if eos else []) for t in texts]
+
+
+def test_uint32_for_large_vocab(tmp_path):
+    big = build_dataset([("a", "x"), ("b", "yy")], _BigVocab(), tmp_path)
+    assert big.tokens.dtype == np.uint32
+    assert list(big.tokens) == [100_001, 70_000, 1, 100_002, 70_000, 1]
+    x, y = big.get_batch(0, 2, 5)
+    assert x.max().item() == 100_002  # not wrapped around at 65536
+    # 6 tokens, seq_len 3: only the window at 0 has its 4th (target) token; the one at 3 would run off the end
+    assert big.n_eval_windows(3) == 1 and big.n_eval_windows(2) == 2
+    (ex, ey), = big.iter_eval_batches(4, 3)
+    assert ex.tolist() == [[100_001, 70_000, 1]] and ey.tolist() == [[70_000, 1, 100_002]]
+
+
+def test_batches_depend_only_on_seed_and_step(ds):
+    x, y = ds.get_batch(step=7, batch_size=4, seq_len=32, seed=3)
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.long
+    ds.get_batch(step=8, batch_size=4, seq_len=32, seed=3)  # interleaved calls must not matter
+    x2, y2 = load_dataset(ds.manifest_path.parent).get_batch(7, 4, 32, seed=3)  # a "resumed" reader
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, ds.get_batch(8, 4, 32, seed=3)[0])
+    assert not torch.equal(x, ds.get_batch(7, 4, 32, seed=4)[0])
+    starts = ds.batch_starts(7, 4, 32, seed=3)
+    tokens = torch.from_numpy(np.asarray(ds.tokens, dtype=np.int64))
+    for b, s in enumerate(starts):
+        assert torch.equal(x[b], tokens[s:s + 32]) and torch.equal(y[b], tokens[s + 1:s + 33])
+    # starts spread over the whole file and stay in range
+    many = np.concatenate([ds.batch_starts(s, 16, 32) for s in range(50)])
+    assert many.min() >= 0 and many.max() <= len(ds) - 33
+    assert many.max() > len(ds) * 0.8 and many.min() < len(ds) * 0.2
+
+
+def test_ranks_split_the_global_batch(ds):
+    full = ds.batch_starts(5, 6, 16, seed=1)
+    parts = [ds.batch_starts(5, 3, 16, seed=1, rank=r, world_size=2) for r in range(2)]
+    assert np.array_equal(np.concatenate(parts), full)
+    with pytest.raises(ValueError, match="rank"):
+        ds.get_batch(0, 2, 16, rank=2, world_size=2)
+
+
+def test_eval_batches_are_sequential_and_complete(ds):
+    T, B = 64, 5
+    batches = list(ds.iter_eval_batches(B, T))
+    n = ds.n_eval_windows(T)
+    assert sum(x.shape[0] for x, _ in batches) == n == (len(ds) - 1) // T
+    assert all(x.shape[0] == B for x, _ in batches[:-1]) and 1 <= batches[-1][0].shape[0] <= B
+    flat_x = torch.cat([x for x, _ in batches]).reshape(-1)
+    flat_y = torch.cat([y for _, y in batches]).reshape(-1)
+    tokens = torch.from_numpy(np.asarray(ds.tokens, dtype=np.int64))
+    assert torch.equal(flat_x, tokens[:n * T]) and torch.equal(flat_y, tokens[1:n * T + 1])
+    again = list(ds.iter_eval_batches(B, T, max_batches=2))
+    assert len(again) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
+
+
+def test_corpus_smaller_than_one_window_is_an_error(tok, tmp_path):
+    small = build_dataset([("a", "tiny text")], tok, tmp_path)
+    with pytest.raises(ValueError, match="fewer than seq_len \\+ 1"):
+        small.get_batch(0, 1, len(small))
+    with pytest.raises(ValueError, match="fewer than seq_len \\+ 1"):
+        list(small.iter_eval_batches(1, len(small)))
+    x, y = small.get_batch(0, 2, len(small) - 1)  # exactly one window fits
+    assert torch.equal(x[0], x[1]) and x.shape == (2, len(small) - 1)
+    with pytest.raises(ValueError, match="no documents to tokenise"):
+        build_dataset([], tok, tmp_path, "empty")
+
+
+def test_failed_build_leaves_no_partial_files(docs, tok, tmp_path):
+    build_dataset(docs[:3], tok, tmp_path, "train")
+
+    def broken():
+        yield from docs[:3]
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        build_dataset(broken(), tok, tmp_path, "train")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if n.startswith(".") or n.endswith(".tmp")], names
+    with pytest.raises(ValueError, match="no dataset manifest"):  # the old manifest is gone, not stale
+        load_dataset(tmp_path)
+
+
+def test_mismatched_tokenizer_and_truncated_file_are_detected(ds, docs, tmp_path):
+    other = train_tokenizer(docs[:2], 300)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        load_dataset(ds.manifest_path.parent, tokenizer=other)
+    copy = tmp_path / "copy"
+    shutil.copytree(ds.manifest_path.parent, copy)
+    with open(copy / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ValueError, match="incomplete"):
+        load_dataset(copy)
+
+
+@pytest.fixture()
+def text_dir(tmp_path, docs):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i, (_, text) in enumerate(docs[:12]):
+        (d / f"doc{i:02d}.txt").write_text(text)
+    return d
+
+
+def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
+    out = tmp_path / "data"
+    files = prepare_data(out, str(text_dir), vocab_size=512)
+    assert not files.reused and files.train.n_docs + files.val.n_docs == 12 and files.val.n_docs >= 1
+    assert files.info["request"]["vocab_size"] == 512 and files.info["tokenizer_bytes"] > 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["data.json", "tokenizer.json", "train.bin", "train.docs.npy", "train.json",
+         "val.bin", "val.docs.npy", "val.json"])
+    again = prepare_data(out, str(text_dir), vocab_size=512)
+    assert again.reused and again.tokenizer.fingerprint == files.tokenizer.fingerprint
+    (text_dir / "doc99.txt").write_text("a new document changes the corpus fingerprint\n" * 20)
+    assert not prepare_data(out, str(text_dir), vocab_size=512).reused
+    loaded = load_data(out)
+    assert torch.equal(loaded.train.get_batch(3, 2, 16)[0], load_data(out).train.get_batch(3, 2, 16)[0])
+
+
+def test_cli_tokenize(text_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["tokenize", "--data", str(text_dir), "--vocab-size", "512", "--out", str(out),
+                 "--max-bytes", "60KB", "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert str(out / "tokenizer.json") in printed and str(out / "train.bin") in printed
+    assert load_data(out).info["request"]["max_bytes"] == 60_000
+    assert main(["tokenize", "--data", str(tmp_path / "missing"), "--out", str(out), "-q"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main(["tokenize", "--data", str(text_dir), "--vocab-size", "100", "--out", str(out), "-q"]) == 2
+    assert "--vocab-size >= 273" in capsys.readouterr().err

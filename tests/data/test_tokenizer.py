@@ -1,0 +1,104 @@
+"""Tokenizer: byte-level BPE with fixed special ids, lossless round trips, clear vocab-size errors."""
+import pytest
+
+from k3.data.corpus import open_corpus
+from k3.data.tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, Tokenizer, load_tokenizer, train_tokenizer
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return [t for _, t in open_corpus().documents("train", max_bytes=200_000)]
+
+
+@pytest.fixture(scope="module")
+def tok(texts, tmp_path_factory):
+    return train_tokenizer(texts, VOCAB, path=tmp_path_factory.mktemp("tok"))
+
+
+def test_vocab_size_and_special_ids_are_fixed(tok):
+    assert tok.vocab_size == VOCAB
+    assert len(SPECIAL_TOKENS) == 17 and len(set(SPECIAL_TOKENS)) == 17
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.special_id(s) == i and tok.token_to_id(s) == i and tok.id_to_token(i) == s
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+    assert tok.special_id("effort:high") == SPECIAL_TOKENS.index("<|effort:high|>")
+    with pytest.raises(ValueError, match="unknown special token"):
+        tok.special_id("nope")
+
+
+def test_special_tokens_encode_as_single_tokens(tok):
+    for i, s in enumerate(SPECIAL_TOKENS):
+        assert tok.encode(s) == [i]
+        assert tok.decode([i]) == s
+    ids = tok.encode("<|user|>hi<|end|><|assistant|><|think|>x<|/think|>y<|end|>")
+    assert ids[0] == tok.special_id("user") and tok.special_id("/think") in ids
+    # corpus text: the same characters are plain bytes, never a special id, and still round-trip
+    plain = tok.encode("a <|eos|> b", allow_special=False)
+    assert not set(plain) & set(range(len(SPECIAL_TOKENS)))
+    assert tok.decode(plain) == "a <|eos|> b"
+    assert tok.encode_batch(["x <|eos|>"], allow_special=False)[0] == tok.encode("x <|eos|>", allow_special=False)
+
+
+def test_round_trip_unicode_and_whitespace(tok):
+    samples = ["héllo wörld — naïve café", "日本語のテキスト", "emoji 🎉🐍 ZWJ 👩‍💻", "\t  tabs\r\nCRLF\n\n  ",
+               "def f(x):\n    return x ** 2  # ∑", "", " leading space", "\x00\x7f control"]
+    for s in samples:
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.decode_batch(tok.encode_batch(samples)) == samples
+    assert tok.encode("x", bos=True, eos=True) == [tok.bos_id, *tok.encode("x"), tok.eos_id]
+    assert all(0 <= i < tok.vocab_size for ids in tok.encode_batch(samples) for i in ids)
+
+
+def test_bpe_compresses_training_like_text(tok, texts):
+    bpt = tok.bytes_per_token(texts[:5])
+    assert 1.5 < bpt < 8  # merges happened (bytes alone would be 1.0)
+    with pytest.raises(ValueError, match="non-empty"):
+        tok.bytes_per_token([""])
+
+
+def test_save_load_round_trip_and_determinism(tok, texts, tmp_path):
+    loaded = load_tokenizer(tok.path.parent)
+    assert loaded.fingerprint == tok.fingerprint and loaded.vocab_size == VOCAB
+    assert loaded.encode(texts[0]) == tok.encode(texts[0])
+    again = train_tokenizer(texts, VOCAB, path=tmp_path / "again.json")
+    assert again.fingerprint == tok.fingerprint  # training is deterministic
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.json"]  # no temp files left behind
+
+
+def test_vocab_too_small_or_unreachable(texts):
+    with pytest.raises(ValueError, match=f"--vocab-size >= {MIN_VOCAB_SIZE}"):
+        train_tokenizer(texts[:1], MIN_VOCAB_SIZE - 1)
+    tiny = ["ab ab ab abc"] * 3
+    with pytest.raises(ValueError, match="supports only .* tokens, fewer than vocab_size = 4096"):
+        train_tokenizer(tiny, 4096)
+    short = train_tokenizer(tiny, 4096, allow_short=True)
+    assert MIN_VOCAB_SIZE <= short.vocab_size < 4096
+    assert short.decode(short.encode("abc ü")) == "abc ü"
+    exact = train_tokenizer(texts[:1], MIN_VOCAB_SIZE)  # bytes + specials only: always reachable
+    assert exact.vocab_size == MIN_VOCAB_SIZE
+    assert exact.decode(exact.encode("ü日🎉")) == "ü日🎉"  # every byte is in the vocab
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer at"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_foreign_tokenizer_is_rejected(tmp_path):
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HF(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel()
+    hf.train_from_iterator(["some text"] * 3, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|eos|>"],
+                                                                   show_progress=False))
+    (tmp_path / "tokenizer.json").write_text(hf.to_str())
+    with pytest.raises(ValueError, match="special token <\\|bos\\|> at id None"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="retrain"):
+        Tokenizer(hf)

@@ -1,0 +1,264 @@
+"""GatedMLA: naive vs absorbed vs a loop reference, cached decode vs full forward, gate, QK-Clip logits."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import get_config
+from k3.model.cache import MLACache
+from k3.model.mla import GatedMLA
+
+# unequal head dims and ranks so a mixed-up K / V / C split cannot pass by accident
+DIMS = dict(mla_heads=4, mla_qk_head_dim=16, mla_v_head_dim=24, mla_kv_lora_rank=20, mla_q_lora_rank=12)
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def make(**overrides) -> GatedMLA:
+    """A layer with O(1) logits: the 0.02 init makes attention near uniform and every tolerance vacuous."""
+    m = GatedMLA(get_config("tiny", **{**DIMS, **overrides}))
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.Linear):
+                mod.weight.normal_(0.0, 1.5 / math.sqrt(mod.in_features))
+            elif isinstance(mod, nn.RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def reference(m: GatedMLA, x: torch.Tensor, gate: bool = True):
+    """Token-by-token softmax attention over materialised k, v. Returns y and the logits [B, H, T, T] (-inf above the diagonal)."""
+    B, T, _ = x.shape
+    H, K, V, C = m.n_heads, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+    if m.q_lora_rank > 0:
+        q = F.rms_norm(x @ m.wq_a.weight.T, (m.q_lora_rank,), m.q_norm.weight, m.q_norm.eps) @ m.wq_b.weight.T
+    else:
+        q = x @ m.wq.weight.T
+    q = q.view(B, T, H, K)
+    c = F.rms_norm(x @ m.wkv_a.weight.T, (C,), m.kv_norm.weight, m.kv_norm.eps)
+    kv = (c @ m.wkv_b.weight.T).view(B, T, H, K + V)
+    k, v = kv[..., :K], kv[..., K:]
+    logits = torch.full((B, H, T, T), float("-inf"))
+    out = torch.zeros(B, T, H, V)
+    for t in range(T):
+        s = torch.einsum("bhk,bshk->bhs", q[:, t], k[:, : t + 1]) / math.sqrt(K)
+        logits[:, :, t, : t + 1] = s
+        out[:, t] = torch.einsum("bhs,bshv->bhv", s.softmax(-1), v[:, : t + 1])
+    o = out.reshape(B, T, H * V)
+    if gate:
+        o = o * torch.sigmoid(x @ m.w_gate.weight.T)
+    return o @ m.wo.weight.T, logits
+
+
+@pytest.fixture(params=[12, 0], ids=["q_lora", "full_rank_q"])
+def layer(request):
+    return make(mla_q_lora_rank=request.param)
+
+
+def test_naive_matches_loop_reference(layer):
+    x = torch.randn(2, 9, 64)
+    y = layer(x)
+    ref, logits = reference(layer, x)
+    assert y.shape == x.shape
+    assert y.abs().mean() > 0.1  # tolerances below are meaningful at this scale
+    assert logits[torch.isfinite(logits)].std() > 1.0  # attention is far from uniform
+    torch.testing.assert_close(y, ref, **TOL)
+
+
+def test_full_rank_q_has_wq_only():
+    m = make(mla_q_lora_rank=0)
+    assert hasattr(m, "wq") and not hasattr(m, "wq_a") and not hasattr(m, "wq_b")
+    assert m.q_proj is m.wq
+    m2 = make()
+    assert m2.q_proj is m2.wq_b and not hasattr(m2, "wq")
+
+
+def test_absorbed_equals_naive_prefill_and_decode(layer):
+    x = torch.randn(2, 8, 64)
+    torch.testing.assert_close(layer(x, absorb=True), layer(x, absorb=False), **TOL)
+    # decode: one new token against a cache of 7
+    prefix = MLACache()
+    layer(x[:, :7], prefix)
+    c1, c2 = MLACache(prefix.latent.clone()), MLACache(prefix.latent.clone())
+    y_abs = layer(x[:, 7:], c1, absorb=True)
+    y_naive = layer(x[:, 7:], c2, absorb=False)
+    assert y_abs.abs().mean() > 0.1
+    torch.testing.assert_close(y_abs, y_naive, **TOL)
+
+
+def test_absorbed_gradients_equal_naive():
+    m = make().train()
+    x = torch.randn(2, 6, 64)
+    w = torch.randn(2, 6, 64)
+    grads = []
+    for absorb in (False, True):
+        m.zero_grad()
+        (m(x, absorb=absorb) * w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-4, rtol=1e-4, msg=n)
+
+
+def test_decode_uses_absorbed_path(layer, monkeypatch):
+    x = torch.randn(1, 4, 64)
+    cache = MLACache()
+    layer(x[:, :3], cache)
+
+    def boom(*a):
+        raise AssertionError("naive path used at decode")
+
+    monkeypatch.setattr(layer, "_naive", boom)
+    layer(x[:, 3:], cache)  # T == 1 with a cache -> absorbed
+    with pytest.raises(AssertionError, match="naive path used"):
+        layer(x)  # no cache -> naive
+
+
+def test_prefill_then_decode_equals_full(layer):
+    x = torch.randn(2, 12, 64)
+    full = layer(x)
+    cache = MLACache()
+    outs = [layer(x[:, :5], cache)]
+    for t in range(5, 12):
+        outs.append(layer(x[:, t : t + 1], cache))
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, **TOL)
+    assert cache.length == 12
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_chunked_prefill_equals_full(layer, absorb):
+    x = torch.randn(2, 11, 64)
+    full = layer(x)
+    cache = MLACache()
+    y = torch.cat([layer(x[:, :4], cache, absorb=absorb), layer(x[:, 4:9], cache, absorb=absorb),
+                   layer(x[:, 9:], cache, absorb=absorb)], dim=1)
+    torch.testing.assert_close(y, full, **TOL)
+
+
+def test_cache_holds_only_the_latent():
+    m = make()
+    B, T = 3, 7
+    x = torch.randn(B, T, 64)
+    cache = MLACache()
+    m(x, cache)
+    assert cache.latent.shape == (B, T, m.kv_lora_rank)
+    assert cache.nbytes() == B * T * m.kv_lora_rank * 4
+    torch.testing.assert_close(cache.latent, m.kv_norm(m.wkv_a(x)))
+
+
+def test_gate_scales_output():
+    m = make()
+    x = torch.randn(2, 6, 64)
+    ungated, _ = reference(m, x, gate=False)
+    gated = m(x)
+    assert not torch.allclose(gated, ungated, atol=1e-3)
+    with torch.no_grad():
+        m.w_gate.weight.zero_()  # sigmoid(0) = 1/2 on every channel
+    torch.testing.assert_close(m(x), 0.5 * ungated, **TOL)
+
+
+def test_gate_is_elementwise_per_channel():
+    m = make()
+    x = torch.randn(1, 5, 64)
+    H, V = m.n_heads, m.v_head_dim
+    with torch.no_grad():
+        m.w_gate.weight.zero_()
+        m.wo.weight.zero_()
+        m.wo.weight[:, V : 2 * V] = torch.randn(64, V)  # only head 1 reaches the output
+    y_half = m(x)
+    with torch.no_grad():
+        m.w_gate.weight[:V] = torch.randn(V, 64) * 10  # change head 0's gate only: output unchanged
+    torch.testing.assert_close(m(x), y_half, **TOL)
+    with torch.no_grad():
+        m.w_gate.weight[V + 3] = torch.randn(64) * 10  # one channel of head 1: output changes
+    assert not torch.allclose(m(x), y_half, atol=1e-3)
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_max_logits_brute_force(layer, absorb):
+    x = torch.randn(2, 9, 64)
+    _, logits = reference(layer, x)
+    want = logits.amax(dim=(0, 2, 3))
+    unmasked = reference_scores_unmasked(layer, x).amax(dim=(0, 2, 3))
+    assert not torch.allclose(want, unmasked)  # so a missing causal mask would be caught
+    layer.track_max_logits = True
+    layer(x, absorb=absorb)
+    assert layer.max_logits.shape == (layer.n_heads,) and not layer.max_logits.requires_grad
+    torch.testing.assert_close(layer.max_logits, want, **TOL)
+    # cached chunk: only its queries, against all visible keys
+    cache = MLACache()
+    layer(x[:, :4], cache)
+    layer(x[:, 4:], cache, absorb=absorb)
+    torch.testing.assert_close(layer.max_logits, logits[:, :, 4:].amax(dim=(0, 2, 3)), **TOL)
+
+
+def reference_scores_unmasked(m, x):
+    """All T x T scores, future keys included, to show that the causal mask changes the max."""
+    B, T, _ = x.shape
+    H, K = m.n_heads, m.qk_head_dim
+    q_in = m.q_norm(m.wq_a(x)) if m.q_lora_rank > 0 else x
+    q = m.q_proj(q_in).view(B, T, H, K)
+    k = m.wkv_b(m.kv_norm(m.wkv_a(x))).view(B, T, H, -1)[..., :K]
+    return torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(K)
+
+
+def test_qk_clip_rescales_only_offending_heads(layer):
+    x = torch.randn(2, 9, 64)
+    layer.track_max_logits = True
+    with torch.no_grad():
+        layer(x)
+    before = layer.max_logits.clone()
+    tau = float(before.median())  # clips about half the heads
+    K, V, H = layer.qk_head_dim, layer.v_head_dim, layer.n_heads
+    v_rows = layer.wkv_b.weight.view(H, K + V, -1)[:, K:].clone()
+    gamma = layer.qk_clip_(tau)
+    with torch.no_grad():
+        layer(x)
+    clipped = before > tau
+    assert clipped.any() and (~clipped).any()
+    torch.testing.assert_close(gamma, torch.where(clipped, tau / before, torch.ones_like(before)))
+    torch.testing.assert_close(layer.max_logits, torch.minimum(before, torch.tensor(tau)), **TOL)
+    torch.testing.assert_close(layer.wkv_b.weight.view(H, K + V, -1)[:, K:], v_rows, atol=0, rtol=0)
+
+
+def test_qk_clip_without_tracking_raises():
+    with pytest.raises(ValueError, match="track_max_logits"):
+        make().qk_clip_(100.0)
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_causality(layer, absorb):
+    x = torch.randn(2, 10, 64)
+    y = layer(x, absorb=absorb)
+    x2 = x.clone()
+    x2[:, 6] += torch.randn(2, 64)
+    y2 = layer(x2, absorb=absorb)
+    torch.testing.assert_close(y2[:, :6], y[:, :6], atol=0, rtol=0)
+    assert (y2[:, 6:] - y[:, 6:]).abs().amax(-1).min() > 1e-4  # the change reaches every later position
+
+
+@pytest.mark.parametrize("bad", [
+    torch.randn(5, 64), torch.randn(1, 2, 5, 64), torch.randn(1, 5, 63),
+    torch.randn(1, 5, 64, dtype=torch.float64), torch.ones(1, 5, 64, dtype=torch.long), torch.randn(1, 0, 64),
+])
+def test_bad_input_raises(bad):
+    with pytest.raises(ValueError, match=r"\[B, T, d_model\] = \[B, T, 64\]"):
+        make()(bad)
+
+
+def test_cache_batch_mismatch_raises():
+    m = make()
+    cache = MLACache()
+    m(torch.randn(2, 3, 64), cache)
+    with pytest.raises(ValueError, match="batch"):
+        m(torch.randn(3, 1, 64), cache)
+
+
+def test_full_preset_builds_on_meta():
+    cfg = get_config("k3")
+    with torch.device("meta"):
+        m = GatedMLA(cfg)
+    d, H, K, V = cfg.d_model, cfg.mla_heads, cfg.mla_qk_head_dim, cfg.mla_v_head_dim
+    qr, C = cfg.mla_q_lora_rank, cfg.mla_kv_lora_rank
+    want = d * qr + qr + qr * H * K + d * C + C + C * H * (K + V) + d * H * V + H * V * d
+    assert sum(p.numel() for p in m.parameters()) == want

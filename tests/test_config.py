@@ -1,0 +1,70 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from k3.config import PRESETS, K3Config, K3ConfigError, get_config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_validate(name):
+    cfg = get_config(name)
+    assert cfg.n_kda_layers + cfg.n_mla_layers == cfg.n_layers
+    assert K3Config.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_k3_layer_pattern_is_3_to_1_plus_final_mla():
+    cfg = get_config("k3")
+    assert (cfg.n_layers, cfg.n_kda_layers, cfg.n_mla_layers) == (93, 69, 24)
+    assert cfg.pattern[:8] == "KKKMKKKM" and cfg.pattern[-2:] == "MM"
+    assert cfg.attnres_sources == 9 and cfg.attnres_block_size == 12
+    assert cfg.latent_dim == cfg.d_model // 2
+
+
+BAD = [
+    # (override, field the message must name, word of the fix)
+    (dict(n_active_experts=9, n_experts=8), "n_active_experts", "lower"),
+    (dict(moe_latent_dim=48), "moe_latent_dim", "divide"),
+    (dict(layer_pattern="KKM"), "layer_pattern", "one letter"),
+    (dict(layer_pattern="KKXM"), "layer_pattern", "K and M"),
+    (dict(attnres_sources=6), "attnres_sources", "fewer sources"),
+    (dict(attnres_sources=1), "attnres_sources", ">= 2"),
+    (dict(attnres_sources=4), "attnres_sources", "attnres_sources = 3"),
+    (dict(kda_heads=3), "kda_heads", "dividing d_model"),
+    (dict(mla_heads=5), "mla_heads", "dividing d_model"),
+    (dict(max_context=0), "max_context", "positive"),
+    (dict(max_context=-5), "max_context", "positive"),
+    (dict(d_model=0), "d_model", "positive"),
+    (dict(attnres="sometimes"), "attnres", "block | full | none"),
+    (dict(moe="huge"), "moe", "latent | standard"),
+    (dict(balancing="magic"), "balancing", "pick one"),
+    (dict(n_dense_layers=9), "n_dense_layers", "lower"),
+    (dict(n_shared_experts=-1), "n_shared_experts", ">= 0"),
+    (dict(qat={"expert_weights": "int3"}), "qat", "mxfp4"),
+]
+
+
+@pytest.mark.parametrize("override,field,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_validate_rejects_with_field_and_fix(override, field, fix):
+    with pytest.raises(K3ConfigError) as e:
+        get_config("tiny", **override)
+    msg = str(e.value)
+    assert field in msg and fix in msg, msg
+
+
+def test_unknown_field_and_preset():
+    with pytest.raises(K3ConfigError, match="unknown config field"):
+        K3Config.from_dict({"d_modle": 3})
+    with pytest.raises(K3ConfigError, match="unknown preset"):
+        get_config("huge")
+
+
+def test_cli_prints_config_error_without_traceback():
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "config", "--preset", "tiny", "--set", "n_active_experts=99"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "n_active_experts" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "config", "--preset", "tiny", "--set", "attnres=full"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["attnres"] == "full"
