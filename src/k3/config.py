@@ -205,8 +205,8 @@ PRESETS: dict[str, dict] = {
     # the full model, for counting and planning on the meta device; see docs/architecture.md
     "k3": dict(
         name="k3", vocab_size=163840, d_model=7168, n_layers=93, max_context=1048576,
-        kda_heads=64, kda_head_dim=128, kda_gate_rank=128,
-        mla_heads=64, mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
+        kda_heads=112, kda_head_dim=128, kda_gate_rank=128,
+        mla_heads=112, mla_q_lora_rank=2048, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
         attnres_sources=9,
         n_dense_layers=1, dense_ffn=18432,
         moe_latent_dim=3584, n_experts=896, n_active_experts=16, expert_ffn=3072,

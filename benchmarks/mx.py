@@ -1,0 +1,195 @@
+"""MX formats: quantize throughput of k3's quantize_mx against torchao's to_mx, and the cost of
+dequantizing packed expert weights before an fp32 GEMM.
+
+    python benchmarks/mx.py [--json] [--quick] [--repeats N]
+
+Both quantizers produce the same bytes (checked here): for mxfp4 we time quantize_mx(packed=True)
+because to_mx returns packed fp4. Each repeat times the two contenders back to back in alternating
+order, and the speedup is the median of the per-repeat ratios, which holds up better than a ratio
+of medians on a shared machine. Writes runs/bench/mx.json atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from k3.ops.mx import dequantize_mx, quantize_mx
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "bench" / "mx.json"
+TORCHAO_DTYPE = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8": torch.float8_e4m3fn}
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired(fn_a, fn_b, repeats: int, warmup: int = 2) -> dict:
+    """Time a and b alternately; ratio = t_b / t_a per repeat (> 1 means a is faster)."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for r in range(repeats):
+        if r % 2:
+            tb.append(_time(fn_b))
+            ta.append(_time(fn_a))
+        else:
+            ta.append(_time(fn_a))
+            tb.append(_time(fn_b))
+    ratios = [b / a for a, b in zip(ta, tb)]
+    return {
+        "a_median_s": statistics.median(ta),
+        "b_median_s": statistics.median(tb),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def bench_quantize(shape, repeats: int) -> dict:
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = torch.randn(*shape)
+    n = x.numel()
+    out = {}
+    for fmt, dt in TORCHAO_DTYPE.items():
+        ours = lambda: quantize_mx(x, fmt, packed=True)  # noqa: E731
+        theirs = lambda: to_mx(x, dt, 32)  # noqa: E731
+        codes, scales = ours()
+        ref_scales, ref_codes = theirs()
+        exact = torch.equal(scales, ref_scales.view(torch.uint8)) and torch.equal(
+            codes, ref_codes.view(torch.uint8)
+        )
+        p = paired(ours, theirs, repeats)
+        out[fmt] = {
+            "bit_exact_vs_torchao": exact,
+            "ours_elements_per_s": n / p["a_median_s"],
+            "torchao_to_mx_elements_per_s": n / p["b_median_s"],
+            "speedup_vs_torchao_to_mx": p["ratio_median"],
+            "speedup_range": [p["ratio_min"], p["ratio_max"]],
+            "ours_median_s": p["a_median_s"],
+            "torchao_median_s": p["b_median_s"],
+        }
+    return out
+
+
+def bench_gemm(tokens: int, d_in: int, d_out: int, repeats: int) -> dict:
+    x = torch.randn(tokens, d_in)
+    w = torch.randn(d_out, d_in) * 0.02  # [out, in]; blocks run along the reduction dim
+    flops = 2 * tokens * d_in * d_out
+    out = {}
+    for fmt in TORCHAO_DTYPE:
+        codes, scales = quantize_mx(w, fmt, packed=True)
+        dq_mm = lambda: x @ dequantize_mx(codes, scales, fmt).T  # noqa: E731
+        mm = lambda: x @ w.T  # noqa: E731
+        p = paired(dq_mm, mm, repeats)
+        out[fmt] = {
+            "weight_bytes_packed": codes.numel() * codes.element_size() + scales.numel(),
+            "weight_bytes_fp32": w.numel() * 4,
+            "dequant_matmul_gflops": flops / p["a_median_s"] / 1e9,
+            "fp32_matmul_gflops": flops / p["b_median_s"] / 1e9,
+            # throughput(dequant + matmul) / throughput(fp32 matmul); < 1 means dequant costs time
+            "dequant_matmul_over_fp32_matmul": p["ratio_median"],
+            "ratio_range": [p["ratio_min"], p["ratio_max"]],
+        }
+    return out
+
+
+def machine() -> dict:
+    try:
+        import torchao
+
+        ao = torchao.__version__
+    except Exception:  # pragma: no cover - torchao is a dev dependency
+        ao = None
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torchao": ao,
+        "python": sys.version.split()[0],
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    quant_shape = (512, 1024) if args.quick else (4096, 4096)
+    gemm = (512, 256, 256) if args.quick else (4096, 256, 1024)
+    repeats = args.repeats or (5 if args.quick else 9)
+
+    machine_before = machine()
+    q = bench_quantize(quant_shape, repeats)
+    g = bench_gemm(*gemm, repeats)
+    result = {
+        "benchmark": "mx",
+        "quick": args.quick,
+        "shapes": {
+            "quantize": list(quant_shape),
+            "block_size": 32,
+            "gemm_x": [gemm[0], gemm[1]],
+            "gemm_w": [gemm[2], gemm[1]],
+        },
+        "repeats": repeats,
+        "quantize": q,
+        "speedup_vs_torchao_to_mx": min(v["speedup_vs_torchao_to_mx"] for v in q.values()),
+        "gemm": g,
+        "dequant_matmul_over_fp32_matmul": g["mxfp4"]["dequant_matmul_over_fp32_matmul"],
+        "definitions": {
+            "speedup_vs_torchao_to_mx": "median over repeats of t(to_mx)/t(quantize_mx), min over formats",
+            "dequant_matmul_over_fp32_matmul": "median over repeats of t(fp32 matmul)/t(dequant packed "
+            "mxfp4 weight + matmul), i.e. a throughput ratio; < 1 means slower than fp32",
+        },
+        "machine": machine_before,
+        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    write_atomic(OUT, result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for fmt, v in q.items():
+            print(f"{fmt}: quantize {v['ours_elements_per_s'] / 1e6:.1f} M el/s vs to_mx "
+                  f"{v['torchao_to_mx_elements_per_s'] / 1e6:.1f} M el/s -> "
+                  f"{v['speedup_vs_torchao_to_mx']:.2f}x (bit exact: {v['bit_exact_vs_torchao']})")
+        for fmt, v in g.items():
+            print(f"{fmt}: dequant+matmul {v['dequant_matmul_gflops']:.1f} GFLOP/s vs fp32 "
+                  f"{v['fp32_matmul_gflops']:.1f} GFLOP/s -> {v['dequant_matmul_over_fp32_matmul']:.2f}")
+        print(f"wrote {OUT}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+import pytest
+import torch
+
+from k3.config import get_config
+from k3.model.cache import KDACache, MLACache
+from k3.model.transformer import K3Model
+
+
+def _model(**over):
+    torch.manual_seed(0)
+    cfg = get_config("tiny", **over)
+    m = K3Model(cfg).eval()
+    # larger weights than the training init so a wrong cache path shows up far above the tolerance
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2 and "attnres" not in name:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+    return m
+
+
+@pytest.mark.parametrize("over", [{}, {"attnres": "full"}, {"attnres": "none"}, {"moe": "standard"},
+                                  {"layer_pattern": "MMMM"}, {"layer_pattern": "KKKK"}])
+def test_prefill_then_decode_equals_full_forward(over):
+    m = _model(**over)
+    ids = torch.randint(0, m.config.vocab_size, (2, 23))
+    with torch.no_grad():
+        full = m(ids)
+        cache = m.new_cache()
+        steps = [m(ids[:, :15], cache)]
+        for t in range(15, 23):
+            steps.append(m(ids[:, t:t + 1], cache))
+    got = torch.cat(steps, dim=1)
+    assert full.abs().max() > 1.0  # the check is not trivially small
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-4)
+    assert cache.seen_tokens == 23
+
+
+def test_cache_holds_constant_kda_state_and_growing_latent():
+    m = _model()
+    cfg = m.config
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randint(0, cfg.vocab_size, (1, 10)), cache)
+    n10 = cache.nbytes()
+    with torch.no_grad():
+        m(torch.randint(0, cfg.vocab_size, (1, 5)), cache)
+    kda = [s for s in cache.slots if isinstance(s, KDACache)]
+    mla = [s for s in cache.slots if isinstance(s, MLACache)]
+    assert len(kda) == 3 and len(mla) == 1
+    kda_bytes = sum(s.nbytes() for s in kda)
+    assert kda[0].state.shape == (1, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim)
+    # only the MLA latent grows: 5 more tokens x kv_lora_rank x 4 bytes
+    assert cache.nbytes() - n10 == 5 * cfg.mla_kv_lora_rank * 4
+    assert cache.nbytes() == kda_bytes + 15 * cfg.mla_kv_lora_rank * 4
+
+
+def test_training_step_reduces_loss_and_all_params_get_grads():
+    torch.manual_seed(0)
+    m = K3Model(get_config("tiny")).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    ids = torch.randint(0, 64, (4, 32))
+    losses = []
+    for _ in range(12):
+        logits = m(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        (loss + m.aux_loss()).backward()
+        if not losses:
+            missing = [n for n, p in m.named_parameters() if p.grad is None]
+            assert not missing, missing
+        opt.step()
+        m.update_balancing()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_generate_greedy_is_deterministic_and_matches_argmax():
+    m = _model()
+    ids = torch.randint(0, m.config.vocab_size, (1, 6))
+    out = m.generate(ids, max_new_tokens=5)
+    assert out.shape == (1, 11)
+    with torch.no_grad():
+        nxt = m(out[:, :-1])[:, -1].argmax(-1)
+    assert nxt.item() == out[0, -1].item()
+
+
+def test_bad_inputs():
+    m = _model()
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        m(torch.zeros(2, 3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_context"):
+        m(torch.zeros(1, m.config.max_context + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="new_cache"):
+        m(torch.zeros(1, 3, dtype=torch.long), cache=type(m.new_cache())([]))
