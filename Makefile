@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.k3-installed
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup bwrap test demo bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	@$(BIN)/python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.13.0' else 'torch ' + torch.__version__ + ' was installed, expected 2.13.0')"
 	@touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) bwrap
+
+# AgentENV sandboxes run on bubblewrap (Debian package); install it when missing and we are root.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap python3 >/dev/null; }; } || \
+	  { echo "k3 agentenv needs bubblewrap: run 'sudo apt-get install -y bubblewrap' (Debian/Ubuntu)" >&2; exit 1; }
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
@@ -26,6 +32,11 @@ demo: setup
 bench: setup
 	$(BIN)/python benchmarks/kda.py --json
 	$(BIN)/python benchmarks/moe.py --json
+	$(BIN)/python benchmarks/mx.py --json
+	$(BIN)/python benchmarks/balancing.py --json
+	$(BIN)/python benchmarks/sandbox.py --json
+	$(BIN)/python benchmarks/train.py --json
+	$(BIN)/python benchmarks/report.py
 
 lint: setup
 	$(BIN)/python -m compileall -q src tests benchmarks

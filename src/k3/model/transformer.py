@@ -28,7 +28,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = (KimiDeltaAttention if self.kind == KDA else GatedMLA)(config, layer_idx)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.ffn = MoE(config) if config.is_moe_layer(layer_idx) else SwiGLU(config.d_model, config.dense_ffn)
+        self.ffn = MoE(config) if config.is_moe_layer(layer_idx) else SwiGLU(config.d_model, config.dense_ffn, config.init_std)
 
 
 class K3Model(nn.Module):

@@ -1,0 +1,221 @@
+"""MoE layer: the grouped expert path against the per-expert loop, and its share of the matmul peak.
+
+    python benchmarks/moe.py [--json] [--quick] [--repeats N]
+
+The layer is `k3.model.moe.MoE` at the mini widths (d_model 256, latent 128, 64 experts, top-8, expert
+FFN 256, one shared expert of 512) on 4096 tokens. 'loop' is the common eager pattern: for each expert,
+find its tokens, gather, run, index_add back. 'grouped' sorts the token-slots by expert once and runs all
+experts as batched matmuls (the backend `auto` picks; every backend is timed too). Each repeat times the
+two contenders back to back in alternating order; the speedup is the median of the per-repeat ratios, which
+holds up better than a ratio of medians on a shared machine. GFLOP/s counts the layer's matmul FLOPs
+(router, projections, routed and shared experts; backward = 2x forward) and is divided by the median
+GFLOP/s of a 2048^2 fp32 matmul measured in the same process. Writes runs/bench/moe.json atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from k3.config import get_config
+from k3.model.moe import MoE, _grouped_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "bench" / "moe.json"
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def paired(fn_a, fn_b, repeats: int, warmup: int = 1) -> dict:
+    """Time a and b alternately; ratio = t_b / t_a per repeat (> 1 means a is faster)."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for r in range(repeats):
+        first, second = (fn_a, fn_b) if r % 2 == 0 else (fn_b, fn_a)
+        t1, t2 = _time(first), _time(second)
+        ta.append(t1 if r % 2 == 0 else t2)
+        tb.append(t2 if r % 2 == 0 else t1)
+    ratios = [b / a for a, b in zip(ta, tb)]
+    return {"a_median_s": statistics.median(ta), "b_median_s": statistics.median(tb),
+            "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
+
+
+def matmul_peak(repeats: int, n: int = 2048) -> dict:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    ts = [_time(lambda: a @ b) for _ in range(repeats)]
+    return {"n": n, "median_gflops": 2 * n**3 / statistics.median(ts) / 1e9,
+            "best_gflops": 2 * n**3 / min(ts) / 1e9}
+
+
+def layer_flops(cfg, tokens: int) -> dict:
+    """Forward matmul FLOPs of one MoE layer (elementwise work left out): the routed experts and the whole."""
+    d, l, E, k = cfg.d_model, cfg.latent_dim, cfg.n_experts, cfg.n_active_experts
+    routed = 3 * 2 * tokens * k * l * cfg.expert_ffn  # w1, w3, w2 on every token-slot
+    rest = 2 * tokens * d * E  # router
+    if cfg.moe == "latent":
+        rest += 2 * 2 * tokens * d * l  # W_down, W_up
+    rest += 3 * 2 * tokens * d * cfg.n_shared_experts * cfg.shared_ffn  # shared expert(s)
+    return {"routed_experts": routed, "layer": routed + rest}
+
+
+def _compare(make, flops: int, repeats: int) -> dict:
+    """make(impl, backend) -> a callable; grouped (auto) vs loop, then each grouped backend vs loop."""
+    out = {}
+    for name, mult in (("forward", 1), ("forward_backward", 3)):
+        p = paired(make(name, "grouped", "auto"), make(name, "loop", "auto"), repeats)
+        res = {"grouped_median_ms": 1e3 * p["a_median_s"], "loop_median_ms": 1e3 * p["b_median_s"],
+               "speedup_vs_loop": p["ratio_median"], "speedup_range": p["ratio_range"],
+               "grouped_gflops": mult * flops / p["a_median_s"] / 1e9,
+               "loop_gflops": mult * flops / p["b_median_s"] / 1e9, "backends": {}}
+        for backend in ("grouped_mm", "bmm", "slices"):
+            if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+                continue
+            q = paired(make(name, "grouped", backend), make(name, "loop", "auto"), max(3, repeats // 2))
+            res["backends"][backend] = {"median_ms": 1e3 * q["a_median_s"], "speedup_vs_loop": q["ratio_median"]}
+        out[name] = res
+    return out
+
+
+def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    tokens = batch * seq
+    x = torch.randn(batch, seq, cfg.d_model)
+    dy = torch.randn(batch, seq, cfg.d_model)
+    with torch.no_grad():
+        weights, experts = moe.router(x)
+        z = moe.w_down(x.reshape(tokens, -1)) if moe.latent else x.reshape(tokens, -1)
+    dz = torch.randn(tokens, cfg.latent_dim)
+
+    def make_layer(mode, impl, backend):
+        def run():
+            moe.impl, moe.experts.backend = impl, backend
+            if mode == "forward":
+                with torch.no_grad():
+                    moe(x)
+                return
+            for p in moe.parameters():
+                p.grad = None
+            moe(x.detach().requires_grad_()).backward(dy)
+        return run
+
+    def make_experts(mode, impl, backend):
+        ex = moe.experts
+
+        def run():
+            ex.impl, ex.backend = impl, backend
+            if mode == "forward":
+                with torch.no_grad():
+                    ex(z, weights, experts)
+                return
+            for p in ex.parameters():
+                p.grad = None
+            ex(z.detach().requires_grad_(), weights, experts).backward(dz)
+        return run
+
+    load = moe.router.last_load.float()
+    flops = layer_flops(cfg, tokens)
+    return {
+        "tokens": tokens, "batch": batch, "seq": seq,
+        "auto_backend": _grouped_backend(torch.zeros(tokens * cfg.n_active_experts, 1), moe.router.last_load),
+        "load_max_over_mean": (load.max() / load.mean()).item(),
+        "forward_flops": flops,
+        "layer": _compare(make_layer, flops["layer"], repeats),
+        "routed_experts_only": _compare(make_experts, flops["routed_experts"], repeats),
+    }
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "loadavg_1m_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="small shapes (512 tokens), few repeats")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (3 if args.quick else 7)
+    cfg = get_config("mini")
+    batch, seq = (1, 512) if args.quick else (4, 1024)
+    info = machine()
+    peak_before = matmul_peak(repeats)
+    res = bench(cfg, batch, seq, repeats)
+    peak_after = matmul_peak(repeats)
+    peak = statistics.median([peak_before["median_gflops"], peak_after["median_gflops"]])
+    info["loadavg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    for part in ("layer", "routed_experts_only"):
+        for name in ("forward", "forward_backward"):
+            r = res[part][name]
+            r["fraction_of_matmul_peak"] = r["grouped_gflops"] / peak
+    result = {
+        "benchmark": "moe",
+        "quick": args.quick,
+        "shapes": {"d_model": cfg.d_model, "latent_dim": cfg.latent_dim, "n_experts": cfg.n_experts,
+                   "top_k": cfg.n_active_experts, "expert_ffn": cfg.expert_ffn, "shared_ffn": cfg.shared_ffn,
+                   "n_shared_experts": cfg.n_shared_experts, "tokens": batch * seq, "dtype": "float32"},
+        "repeats": repeats,
+        "matmul_peak_gflops": peak,
+        "matmul_peak_runs": [peak_before, peak_after],
+        # headline figures: the whole layer, one training step (forward + backward)
+        "speedup_vs_loop": res["layer"]["forward_backward"]["speedup_vs_loop"],
+        "fraction_of_matmul_peak": res["layer"]["forward_backward"]["fraction_of_matmul_peak"],
+        **res,
+        "machine": info,
+    }
+    write_atomic(OUT, result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for part in ("layer", "routed_experts_only"):
+            for name in ("forward", "forward_backward"):
+                r = res[part][name]
+                print(f"{part:19s} {name:16s} grouped {r['grouped_median_ms']:8.1f} ms  loop "
+                      f"{r['loop_median_ms']:8.1f} ms  speedup {r['speedup_vs_loop']:.2f}x  "
+                      f"{r['grouped_gflops']:.1f} GFLOP/s = {r['fraction_of_matmul_peak']:.2f} of the "
+                      f"{peak:.1f} GFLOP/s matmul peak")
+        print(f"wrote {OUT}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""In-sandbox verification probe: recreate the final workspace, run check groups, report observations.
+
+Never imported by k3: its source runs as `python3 -I -S -c` inside a *fresh* sandbox after the
+episode's sandbox is gone (argv: ROOT CONFIG_JSON; stdin: one JSON payload). Standard library only.
+
+It reports what it observed (return values, query rows, command output). It never sees the expected
+values — they stay on the host — so whatever agent code running beside it does, it can only change
+observations, and matching the hidden expectations means computing the right answers.
+Each check group starts from a freshly written copy of the workspace, in a child process with its
+own limits and timeout, and every process left over is killed before the next group.
+"""
+import base64
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.realpath(sys.argv[1])
+CFG = json.loads(sys.argv[2])
+PY = sys.executable or "/usr/bin/python3"
+
+
+def harden():
+    for name, key in (("RLIMIT_AS", "mem_bytes"), ("RLIMIT_FSIZE", "fsize_bytes"),
+                      ("RLIMIT_NOFILE", "nofile"), ("RLIMIT_CORE", None)):
+        value = 0 if key is None else int(CFG[key])
+        resource.setrlimit(getattr(resource, name), (value, value))
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: no ptrace, no /proc/<us>/fd
+    except Exception:
+        pass
+
+
+def child_limits():
+    os.setsid()
+    n = int(CFG["nproc"])
+    resource.setrlimit(resource.RLIMIT_NPROC, (n, n))
+    c = int(CFG["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (c, c))
+
+
+def kill_leftovers():
+    if CFG.get("pidns") and os.getpid() <= 3:
+        # one pass suffices: a SIGKILLed process never runs user code again, and a fork racing
+        # with the kill fails on the pending fatal signal; the second pass is belt and braces
+        for _ in range(2):
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:  # ESRCH: nothing left to signal
+                break
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+
+
+def clear(path):
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
+def materialize(entries):
+    """Write the exported workspace (validated by the host) into ROOT; drop bytecode caches."""
+    clear(ROOT)
+    for e in entries:
+        p = os.path.join(ROOT, e["path"])
+        parts = e["path"].split("/")
+        if "__pycache__" in parts or e["path"].endswith(".pyc"):
+            continue  # stale or hand-made bytecode would run instead of the source
+        if e["type"] == "dir":
+            os.makedirs(p, exist_ok=True)
+            os.chmod(p, (e.get("mode", 0o755) & 0o777) | 0o700)
+        elif e["type"] == "file":
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as fh:
+                fh.write(base64.b64decode(e["data"]))
+            os.chmod(p, e.get("mode", 0o644) & 0o777)
+        elif e["type"] == "symlink":
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            os.symlink(e["target"], p)
+
+
+def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536, err_cap=4096):
+    """Run argv with limits; returns dict(exit_code, timed_out, stdout, stderr[, results])."""
+    fds = {}
+    rfd = wfd = None
+    pass_fds = ()
+    if result_fd:
+        rfd, wfd = os.pipe()
+        pass_fds = (wfd,)
+        stdin = stdin.replace(b"__RESULT_FD__", str(wfd).encode())
+    proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=dict(CFG["env"]), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
+                            preexec_fn=child_limits, close_fds=True)
+    if wfd is not None:
+        os.close(wfd)
+    fds[proc.stdout.fileno()] = ("stdout", bytearray(), out_cap)
+    fds[proc.stderr.fileno()] = ("stderr", bytearray(), err_cap)
+    if rfd is not None:
+        fds[rfd] = ("results", bytearray(), 4 << 20)
+    total = {k: 0 for k in ("stdout", "stderr", "results")}
+    pending = memoryview(stdin)
+    infd = proc.stdin.fileno()
+    os.set_blocking(infd, False)
+    if not pending:
+        proc.stdin.close()
+        infd = None
+    deadline = time.monotonic() + timeout
+    timed_out, exited_at = False, None
+    open_fds = set(fds)
+    while open_fds:
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = proc.poll() is None
+            break
+        if exited_at is None and proc.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 0.1:
+            break
+        wl = [infd] if infd is not None else []
+        r, w, _ = select.select(list(open_fds), wl, [], min(0.05, deadline - now))
+        if w:
+            try:
+                n = os.write(infd, pending[:65536])
+                pending = pending[n:]
+            except (BrokenPipeError, OSError):
+                pending = pending[:0]
+            if not pending:
+                proc.stdin.close()
+                infd = None
+        for fd in r:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                open_fds.discard(fd)
+                continue
+            name, buf, cap = fds[fd]
+            total[name] += len(chunk)
+            if len(buf) < cap:
+                buf += chunk[: cap - len(buf)]
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    kill_leftovers()
+    try:
+        rc = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    if rfd is not None:
+        os.close(rfd)
+    for s in (proc.stdout, proc.stderr, proc.stdin):
+        try:
+            s.close()
+        except (OSError, ValueError):
+            pass
+    out = {"exit_code": rc, "timed_out": timed_out}
+    for fd, (name, buf, cap) in fds.items():
+        out[name] = bytes(buf).decode("utf-8", "replace")
+        if total[name] > cap:
+            out[name + "_truncated"] = total[name] - cap
+    return out
+
+
+def python_group(checks, runners, entries):
+    materialize(entries)
+    # one budget for the whole group: honest cases take milliseconds, so a loop or a bomb in the
+    # agent's code costs at most check_timeout_s (+1 s to start), not once per case
+    limit = float(CFG["check_timeout_s"])
+    payload = {"root": ROOT, "result_fd": "__RESULT_FD__",
+               "cases": [{"id": c["id"], "code": c["code"],
+                          "timeout": min(float(c.get("timeout", limit)), limit)} for c in checks]}
+    timeout = limit + 1.0
+    res = run_child([PY, "-I", "-S", "-c", runners["python"]], json.dumps(payload).encode(),
+                    timeout, result_fd=True)
+    obs, seen = {}, {}
+    for line in res.get("results", "").splitlines():
+        try:
+            item = json.loads(line)
+            cid = item["id"]
+        except Exception:
+            continue
+        seen[cid] = seen.get(cid, 0) + 1
+        obs[cid] = item
+    wanted = {c["id"] for c in checks}
+    out = {}
+    for cid in wanted:
+        if seen.get(cid, 0) > 1:
+            out[cid] = {"error": "the case reported more than once (forged or corrupted report)"}
+        elif cid in obs:
+            item = dict(obs[cid])
+            item.pop("id", None)
+            out[cid] = item
+        else:
+            out[cid] = {"error": "the case did not report (process exited, crashed or timed out)",
+                        "exit_code": res["exit_code"], "timed_out": res["timed_out"],
+                        "stderr": res["stderr"][-1000:]}
+    return out
+
+
+def sql_group(db, checks, runners, entries):
+    materialize(entries)
+    payload = {"root": ROOT, "db": db,
+               "queries": [{"id": c["id"], "kind": c["kind"], "sql": c.get("sql")} for c in checks]}
+    res = run_child([PY, "-I", "-S", "-c", runners["sql"]], json.dumps(payload).encode(),
+                    float(CFG["check_timeout_s"]), out_cap=8 << 20)
+    try:
+        obs = json.loads(res["stdout"])
+    except Exception:
+        obs = None
+    out = {}
+    for c in checks:
+        if isinstance(obs, dict) and isinstance(obs.get(c["id"]), dict):
+            out[c["id"]] = obs[c["id"]]
+        else:
+            out[c["id"]] = {"error": "the query runner did not report", "exit_code": res["exit_code"],
+                            "timed_out": res["timed_out"], "stderr": res["stderr"][-1000:]}
+    return out
+
+
+def command_check(c, entries):
+    materialize(entries)
+    inputs = CFG["inputs_dir"]
+    clear(inputs)
+    for rel, text in sorted(c.get("inputs", {}).items()):
+        p = os.path.join(inputs, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as fh:
+            fh.write(text)
+    argv = [a.replace("{inputs}", inputs).replace("{workspace}", ROOT) for a in c["argv"]]
+    cwd = inputs if c.get("cwd") == "inputs" else ROOT
+    try:
+        res = run_child(argv, c.get("stdin", "").encode(), float(c.get("timeout",
+                        CFG["check_timeout_s"])), cwd=cwd)
+    except OSError as e:  # e.g. the agent's script is missing or not executable
+        return {"error": "could not start %s: %s" % (argv[0], e)}
+    return {"exit_code": res["exit_code"], "timed_out": res["timed_out"], "stdout": res["stdout"],
+            "stdout_truncated": res.get("stdout_truncated", 0), "stderr": res["stderr"][-1000:]}
+
+
+def main():
+    harden()
+    payload = json.loads(sys.stdin.buffer.read())
+    entries, checks, runners = payload["entries"], payload["checks"], payload["runners"]
+    observations = {}
+    py = [c for c in checks if c["kind"] == "python"]
+    if py:
+        observations.update(python_group(py, runners, entries))
+    dbs = {}
+    for c in checks:
+        if c["kind"] in ("sql", "sql_schema"):
+            dbs.setdefault(c["db"], []).append(c)
+    for db, group in sorted(dbs.items()):
+        observations.update(sql_group(db, group, runners, entries))
+    for c in checks:
+        if c["kind"] == "command":
+            observations[c["id"]] = command_check(c, entries)
+    kill_leftovers()
+    sys.stdout.write(json.dumps({"ok": True, "observations": observations}) + "\n")
+    sys.stdout.flush()
+
+
+main()

@@ -1,0 +1,138 @@
+"""`k3 agentenv ...`: tasks, sandbox check, rollouts, red team."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("agentenv", help="agent environments: tasks, sandbox, rollouts, red team",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="agentenv_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    t = sub.add_parser("tasks", help="list, verify or rebuild the shipped tasks")
+    t.add_argument("--select", default="all", help="'all', a family, task ids or globs, comma-separated")
+    t.add_argument("--dir", default=None, help="task directory (default: the shipped tasks)")
+    t.add_argument("--verify", action="store_true",
+                   help="check in the sandbox that each task scores 0 untouched and 1 with its reference solution")
+    t.add_argument("--rebuild", action="store_true", help="regenerate the task directories from taskgen.py")
+    t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_tasks)
+
+    c = sub.add_parser("check", help="check that the bubblewrap sandbox works here")
+    c.set_defaults(func=_check)
+
+    r = sub.add_parser("run", help="run episodes of a policy and write trajectories as JSONL")
+    r.add_argument("--tasks", default="all", help="'all', a family, task ids or globs, comma-separated")
+    r.add_argument("--policy", default="reference", choices=["reference", "noop", "http"])
+    r.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (http policy)")
+    r.add_argument("--model", default=None, help="model name (http policy)")
+    r.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the API key (http policy)")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--episodes", type=int, default=None, help="episodes in all (default: one per task)")
+    r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dialects", default=None, help="comma-separated subset of kimi,claude,codex,react")
+    r.add_argument("--no-augment", action="store_true", help="canonical tool names only")
+    r.add_argument("--max-steps", type=int, default=None)
+    r.add_argument("--out", default="runs/agentenv/rollouts.jsonl")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.set_defaults(func=_run)
+
+    rt = sub.add_parser("redteam", help="run the reward-hacking and escape attempts")
+    rt.add_argument("--json", action="store_true", help="print the full report as JSON")
+    rt.add_argument("--quick", action="store_true", help="only the representative subset")
+    rt.add_argument("--only", default=None, help="comma-separated attack names")
+    rt.add_argument("--list", action="store_true", help="list the attacks and exit")
+    rt.set_defaults(func=_redteam)
+
+
+def _tasks(args) -> int:
+    from .tasks import load_tasks, tasks_root
+    if args.rebuild:
+        from .taskgen import build_all
+        out = args.dir or str(tasks_root())
+        paths = build_all(out)
+        print(f"wrote {len(paths)} tasks to {out}")
+    tasks = load_tasks(args.select, args.dir)
+    rows = [{"id": t.id, "family": t.family, "checks": len(t.checks), "checksum": t.checksum[:12],
+             "title": t.title} for t in tasks]
+    if args.verify:
+        from .rollout import run_rollouts
+        from .sandbox import check_sandbox
+        check_sandbox()
+        noop = run_rollouts(tasks, {"kind": "noop"}, len(tasks), workers=args.workers, progress=True)
+        ref = run_rollouts(tasks, {"kind": "reference"}, len(tasks), workers=args.workers, progress=True)
+        for row, n, r in zip(rows, noop, ref):
+            row["untouched"], row["reference"] = n["reward"], r["reward"]
+            row["ok"] = n["reward"] == 0.0 and r["reward"] == 1.0
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            extra = (f"  untouched={row['untouched']:.0f} reference={row['reference']:.0f} "
+                     f"{'ok' if row['ok'] else 'FAIL'}") if args.verify else ""
+            print(f"{row['id']:28s} {row['family']:7s} {row['checks']:3d} checks  {row['checksum']}{extra}")
+        fams = {}
+        for row in rows:
+            fams[row["family"]] = fams.get(row["family"], 0) + 1
+        print(f"{len(rows)} tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(fams.items())))
+    return 0 if all(r.get("ok", True) for r in rows) else 1
+
+
+def _check(args) -> int:
+    from .sandbox import check_sandbox
+    print(check_sandbox())
+    return 0
+
+
+def _run(args) -> int:
+    from .dialects import DIALECTS
+    from .rollout import EpisodeConfig, format_summary, run_rollouts, summarize
+    from .sandbox import check_sandbox
+    from .tasks import load_tasks
+    tasks = load_tasks(args.tasks)
+    spec = {"kind": args.policy}
+    if args.policy == "http":
+        spec.update(base_url=args.base_url, model=args.model, temperature=args.temperature,
+                    api_key=os.environ.get(args.api_key_env))
+        if not args.base_url or not args.model:
+            raise ValueError("--policy http needs --base-url and --model")
+    dialects = tuple(d.strip() for d in args.dialects.split(",")) if args.dialects else DIALECTS
+    for d in dialects:
+        if d not in DIALECTS:
+            raise ValueError(f"unknown dialect {d!r}; choose from {', '.join(DIALECTS)}")
+    check_sandbox()
+    cfg = EpisodeConfig(dialects=dialects, augment=not args.no_augment, max_steps=args.max_steps)
+    records = run_rollouts(tasks, spec, len(tasks) if args.episodes is None else args.episodes, workers=args.workers,
+                           seed=args.seed, out=args.out, config=cfg, progress=True)
+    summary = summarize(records)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(format_summary(summary))
+        print(f"trajectories: {args.out}")
+    return 0
+
+
+def _redteam(args) -> int:
+    from .redteam import ATTACKS, run_redteam
+    if args.list:
+        for a in ATTACKS:
+            print(f"{a.name:34s} {a.category:12s} {a.task:20s}{' quick' if a.quick else ''}")
+        return 0
+    names = [n.strip() for n in args.only.split(",")] if args.only else None
+    report = run_redteam(names=names, quick=args.quick, progress=not args.json)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for r in report["results"]:
+            print(f"{r['name']:34s} {r['task']:20s} reward={r['reward']} host_changed={r['host_changed']} "
+                  f"leaked={r['leaked']}  {str(r.get('details'))[:90]}")
+        for h in report["honest"]["results"]:
+            print(f"honest {h['task']:27s} reward={h['reward']}")
+        print(json.dumps({k: report[k] for k in ("attempts", "rewarded", "host_changed", "leaked", "ok")}))
+    return 0 if report["ok"] else 1

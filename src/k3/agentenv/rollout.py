@@ -1,0 +1,273 @@
+"""Episodes and rollouts: policy <-> dialect <-> sandbox, then verification in a fresh sandbox.
+
+An episode ends when the policy calls finish (then it is verified), runs out of steps, fails to
+answer, or breaks the sandbox; only a finished episode is verified, so a broken episode never
+counts as a success. Rollouts run episodes in a local process pool (Ray would slot in at
+`run_rollouts`; not needed at this scale) and write one JSON line per episode.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .actions import execute
+from .dialects import DIALECTS, ParseError, choose_variant, make_dialect
+from .policies import EpisodeInfo, Policy, make_policy
+from .sandbox import Probe, SandboxConfig, SandboxError, Session, default_config
+from .tasks import Task, load_task
+from .verify import needs_sandbox, snapshot_from_export, verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    dialects: tuple = DIALECTS
+    augment: bool = True
+    max_steps: int | None = None           # None: the task's own limit
+    max_message_chars: int = 200_000       # a longer policy message is an error, not an action
+    prestart_verifier: bool = True         # start the (fresh, isolated) verification sandbox early
+    sandbox: SandboxConfig = field(default_factory=default_config)
+
+
+def run_episode(task: Task, policy: Policy, seed: int = 0,
+                config: EpisodeConfig | None = None) -> dict:
+    """One episode; returns the trajectory record (JSON-ready)."""
+    cfg = config or EpisodeConfig()
+    variant = choose_variant(seed, cfg.dialects, cfg.augment)
+    dialect = make_dialect(variant)
+    transcript = [{"role": "system", "content": dialect.system_prompt()},
+                  {"role": "user", "content": f"Task: {task.title}\n\n{task.instruction}"}]
+    actions_log: list[dict] = []
+    status, error, steps, parse_errors = "max_steps", None, 0, 0
+    max_steps = cfg.max_steps or task.max_steps
+    t0 = time.monotonic()
+    snap = None
+    try:
+        policy.begin_episode(EpisodeInfo(task.id, task.family, seed, dialect))
+    except Exception as e:  # a policy that cannot start is a broken episode
+        return _record(task, policy, seed, variant, transcript, actions_log, "policy_error",
+                       f"begin_episode failed: {type(e).__name__}: {e}", 0, 0, None, t0, cfg)
+    try:
+        session = Session(task.workspace_files(), cfg.sandbox)
+    except SandboxError as e:
+        return _record(task, policy, seed, variant, transcript, actions_log, "sandbox_error",
+                       str(e), 0, 0, None, t0, cfg)
+    probe = None
+    try:
+        if cfg.prestart_verifier and needs_sandbox(task):
+            probe = Probe(cfg.sandbox)  # starts now, receives the workspace only after teardown
+    except SandboxError:
+        probe = None
+    try:
+        finished = False
+        while steps < max_steps and not finished:
+            steps += 1
+            try:
+                text = policy.act([dict(m) for m in transcript])
+            except Exception as e:
+                status, error = "policy_error", f"{type(e).__name__}: {e}"
+                break
+            if not isinstance(text, str) or not text.strip():
+                status, error = "policy_error", "the policy returned nothing"
+                break
+            if len(text) > cfg.max_message_chars:
+                transcript.append({"role": "assistant", "content": text[: cfg.max_message_chars]})
+                transcript.append({"role": "user", "content": dialect.render_error(
+                    f"message longer than {cfg.max_message_chars} characters was ignored")})
+                parse_errors += 1
+                continue
+            transcript.append({"role": "assistant", "content": text})
+            try:
+                actions = dialect.parse(text)
+            except ParseError as e:
+                parse_errors += 1
+                actions_log.append({"step": steps, "parse_error": str(e)})
+                transcript.append({"role": "user", "content": dialect.render_error(str(e))})
+                continue
+            results = []
+            for a in actions:
+                if a.tool == "finish":
+                    finished = True
+                    actions_log.append({"step": steps, "action": a.to_json()})
+                    break
+                ok, obs = execute(session, a)
+                actions_log.append({"step": steps, "action": a.to_json(), "ok": ok,
+                                    "observation": obs[:2000]})
+                results.append((a, ok, obs))
+            if results:
+                transcript.append({"role": "user", "content": dialect.render_results(results)})
+        if finished:
+            snap = snapshot_from_export(session.export(), cfg.sandbox.limits.export_bytes)
+            status = "finished"
+    except SandboxError as e:
+        status, error = "sandbox_error", str(e)
+    except BaseException:
+        if probe is not None:
+            probe.close()
+        raise
+    finally:
+        session.close()  # the episode's sandbox (and every process in it) is gone before verifying
+    result = None
+    try:
+        if snap is not None:
+            result = verify(task, snap, cfg.sandbox, probe=probe)
+    finally:
+        if probe is not None and not probe.used:
+            probe.close()
+    return _record(task, policy, seed, variant, transcript, actions_log, status, error, steps,
+                   parse_errors, result, t0, cfg)
+
+
+def _record(task, policy, seed, variant, transcript, actions_log, status, error, steps,
+            parse_errors, result, t0, cfg) -> dict:
+    reward = result.reward if (result is not None and status == "finished") else 0.0
+    return {"task_id": task.id, "family": task.family, "task_checksum": task.checksum,
+            "seed": seed, "dialect": variant.dialect, "variant": variant.to_json(),
+            "policy": getattr(policy, "name", type(policy).__name__), "status": status,
+            "error": error, "steps": steps, "parse_errors": parse_errors, "reward": reward,
+            "verifier": result.to_json() if result is not None else None,
+            "isolation": cfg.sandbox.isolation, "duration_s": round(time.monotonic() - t0, 4),
+            "actions": actions_log, "transcript": transcript}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _worker(job: tuple) -> dict:
+    task_dir, policy_spec, seed, cfg = job
+    task = load_task(task_dir)
+    try:
+        policy = make_policy(policy_spec, task)
+    except ValueError as e:
+        policy = None
+        err = str(e)
+    if policy is None:
+        return {"task_id": task.id, "family": task.family, "seed": seed, "status": "policy_error",
+                "error": err, "reward": 0.0, "dialect": None, "steps": 0}
+    return run_episode(task, policy, seed, cfg)
+
+
+def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers: int = 2,
+                 seed: int = 0, out: str | os.PathLike | None = None,
+                 config: EpisodeConfig | None = None, progress: bool = False) -> list[dict]:
+    """`episodes` episodes round-robin over `tasks` (episode i: task i mod n, seed seed+i)."""
+    if episodes <= 0:
+        raise ValueError(f"--episodes must be positive, got {episodes}")
+    if not tasks:
+        raise ValueError("no tasks selected")
+    if workers <= 0:
+        raise ValueError(f"--workers must be positive, got {workers}")
+    cfg = config or EpisodeConfig()
+    jobs = [(str(tasks[i % len(tasks)].root), policy_spec, seed + i, cfg) for i in range(episodes)]
+    records: list[dict | None] = [None] * episodes
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=episodes, desc="episodes", unit="ep")
+    writer = _JsonlWriter(out) if out else None
+    try:
+        if workers == 1:
+            for i, job in enumerate(jobs):
+                records[i] = _worker(job)
+                _emit(writer, bar, records[i])
+        else:
+            ctx = mp.get_context("spawn")  # no fork of a process that holds threads and pipes
+            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                futs = {pool.submit(_worker, job): i for i, job in enumerate(jobs)}
+                for fut in cf.as_completed(futs):
+                    i = futs[fut]
+                    try:
+                        records[i] = fut.result()
+                    except Exception as e:  # a crashed worker is a broken episode, not a success
+                        t = tasks[i % len(tasks)]
+                        records[i] = {"task_id": t.id, "family": t.family, "seed": seed + i,
+                                      "status": "worker_error", "error": f"{type(e).__name__}: {e}",
+                                      "reward": 0.0, "dialect": None, "steps": 0}
+                    _emit(writer, bar, records[i])
+        if writer:
+            writer.commit()
+    finally:
+        if bar:
+            bar.close()
+        if writer:
+            writer.abort()
+    return [r for r in records if r is not None]
+
+
+def _emit(writer, bar, rec):
+    if writer:
+        writer.write(rec)
+    if bar:
+        bar.update(1)
+        bar.set_postfix(reward=rec.get("reward"))
+
+
+class _JsonlWriter:
+    """Append lines to a temp file beside the target; rename into place on commit (atomic)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self.fh = os.fdopen(fd, "w")
+
+    def write(self, rec):
+        self.fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.fh.flush()
+
+    def commit(self):
+        self.fh.close()
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(self.tmp, 0o666 & ~mask)  # mkstemp makes 0600
+        os.replace(self.tmp, self.path)
+        self.tmp = None
+
+    def abort(self):
+        if self.tmp:
+            self.fh.close()
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+            self.tmp = None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per family and per dialect: episodes, success rate, mean steps, statuses."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[("family", r.get("family"))].append(r)
+        groups[("dialect", r.get("dialect"))].append(r)
+        groups[("all", "all")].append(r)
+    out = {}
+    for (kind, key), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        statuses = defaultdict(int)
+        for r in rs:
+            statuses[r.get("status")] += 1
+        out[f"{kind}:{key}"] = {
+            "episodes": len(rs), "success": sum(r.get("reward", 0) for r in rs) / len(rs),
+            "mean_steps": sum(r.get("steps", 0) for r in rs) / len(rs),
+            "mean_s": sum(r.get("duration_s", 0) for r in rs) / len(rs),
+            "statuses": dict(statuses)}
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    rows = [("group", "episodes", "success", "steps", "sec/ep", "statuses")]
+    for k, v in summary.items():
+        rows.append((k, str(v["episodes"]), f"{v['success']:.3f}", f"{v['mean_steps']:.1f}",
+                     f"{v['mean_s']:.2f}", ", ".join(f"{s}={n}" for s, n in sorted(v["statuses"].items()))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,354 @@
+"""Channel mixing: SwiGLU, the sigmoid top-k router with load balancing, routed experts, (Latent)MoE.
+
+- Router (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2): scores s = sigmoid(x W_r^T); the top-k experts are
+  chosen on s + b, where the bias b steers *selection only*; the gating weights are the unbiased scores of
+  the chosen experts, normalised to sum 1 and multiplied by `routed_scale`.
+- Balancing (docs/moe.md has the formulas and sources):
+    'aux_loss'  DeepSeek-V3's sequence-wise balance loss, exposed as `router.aux_loss` for the trainer;
+    'bias'      DeepSeek-V3's auxiliary-loss-free update b_i -= gamma * sign(load_i - mean load);
+    'quantile'  Quantile Balancing (Jianlin Su, kexue.fm/archives/11619): b_j is moved by the (1 - k/n)
+                quantile of expert j's column of margins (biased score minus the token's (k+1)-th biased
+                score), so that about k/n of the tokens would have picked j; no step size.
+  'bias' and 'quantile' accumulate statistics over the forwards since the last `update_balancing()` (call it
+  once per optimizer step) and apply them to the next batch.
+- LatentMoE (Elango et al., arXiv 2601.18089; Nemotron 3): routed experts work in a latent width l < d behind
+  a shared W_down (before dispatch) and W_up (after combine); the router and the shared expert read the
+  full-width x, as in Megatron-Core's and TensorRT-LLM's Nemotron-H MoE.
+- Routed experts are stacked parameters w1/w3 [E, dim, ffn], w2 [E, ffn, dim]. `RoutedExperts.impl` picks the
+  compute path: 'naive' (per token and slot, the reference), 'loop' (per expert, gathering its tokens),
+  'grouped' (sort token-slots by expert once, then one grouped matmul per weight; see `grouped_swiglu`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+
+IMPLS = ("naive", "loop", "grouped")
+GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm", "slices")
+
+
+class SwiGLU(nn.Module):
+    """x [..., d_in] -> [..., d_in]:  w2(silu(w1 x) * w3 x), w1 gate, w3 up [d_ff, d_in], w2 down [d_in, d_ff]."""
+
+    def __init__(self, d_in: int, d_ff: int, init_std: float = 0.02):
+        super().__init__()
+        self.w1 = nn.Linear(d_in, d_ff, bias=False)
+        self.w3 = nn.Linear(d_in, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_in, bias=False)
+        if self.w1.weight.device.type != "meta":
+            for w in (self.w1.weight, self.w3.weight, self.w2.weight):
+                nn.init.normal_(w, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ---------------------------------------------------------------------------------------------- router
+class Router(nn.Module):
+    """x [B, T, dim] (or [N, dim], one sequence) -> (weights [N, k], experts [N, k]), N = B*T tokens.
+
+    State: `weight` [E, dim] (learned), `bias` [E] (buffer, never a gradient; moved by `update_balancing`),
+    `last_load` [E] (token-slots per expert in the last forward), `aux_loss` (scalar tensor, or None).
+    """
+
+    def __init__(self, config: K3Config, dim: int):
+        super().__init__()
+        config.validate()
+        self.dim = dim
+        self.n_experts, self.top_k = config.n_experts, config.n_active_experts
+        self.routed_scale = config.routed_scale
+        self.balancing = config.balancing
+        self.bias_update_rate = config.bias_update_rate
+        self.aux_loss_coef = config.aux_loss_coef
+        self.weight = nn.Parameter(torch.empty(self.n_experts, dim))
+        self.register_buffer("bias", torch.zeros(self.n_experts))  # persistent: inference routes with it
+        self.register_buffer("_load_acc", torch.zeros(self.n_experts), persistent=False)
+        self._margins: list[torch.Tensor] = []  # quantile balancing: margin rows since the last update
+        self.aux_loss: torch.Tensor | None = None
+        self.last_load: torch.Tensor | None = None
+        self.quantile_bins = 2048  # histogram resolution for the distributed quantile (see _column_quantile)
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=config.init_std)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> sigmoid affinities [..., E] in fp32 (the top-k decision compares close values)."""
+        return torch.sigmoid(F.linear(x.float(), self.weight.float()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
+            raise ValueError(f"Router expects x of shape [B, T, {self.dim}] or [N, {self.dim}], got {tuple(x.shape)}")
+        s = self.scores(x).reshape(-1, self.n_experts)  # [N, E]
+        bias = self.bias.float()
+        biased = s.detach() + bias
+        experts = biased.topk(self.top_k, dim=-1).indices  # selection on s + b ...
+        g = s.gather(-1, experts)  # ... weights from the unbiased s
+        weights = g / (g.sum(-1, keepdim=True) + 1e-20) * self.routed_scale
+
+        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        self.last_load = load.detach()
+        self.aux_loss = None
+        if self.balancing == "aux_loss" and self.training:
+            seqs = x.shape[0] if x.dim() == 3 else 1
+            self.aux_loss = self._sequence_balance_loss(s.view(seqs, -1, self.n_experts), experts.view(seqs, -1, self.top_k))
+        if self.training:  # evaluation forwards do not steer the balance
+            self._accumulate(biased, load)
+        return weights, experts
+
+    def _sequence_balance_loss(self, s: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 eq. 17-20, averaged over sequences: alpha * sum_i f_i P_i with
+        f_i = E / (k T) * #{t: i in topk(t)} and P_i = mean_t s_{i,t} / sum_j s_{j,t}."""
+        B, T, E = s.shape
+        chosen = torch.zeros(B, T, E, device=s.device).scatter_(-1, experts, 1.0)
+        f = chosen.sum(1) * (E / (self.top_k * T))  # [B, E], no gradient (a count)
+        P = (s / s.sum(-1, keepdim=True)).mean(1)  # [B, E]
+        return self.aux_loss_coef * (f * P).sum(-1).mean()
+
+    # ------------------------------------------------------------------ balancing
+    @torch.no_grad()
+    def _accumulate(self, biased: torch.Tensor, load: torch.Tensor) -> None:
+        if self.balancing == "bias":
+            self._load_acc += load.to(self._load_acc.dtype)
+        elif self.balancing == "quantile" and self.top_k < self.n_experts:
+            # alpha_i: the token's (k+1)-th biased score. margin > 0 exactly for the k chosen experts.
+            alpha = biased.topk(self.top_k + 1, dim=-1).values[:, -1:]
+            self._margins.append(biased - alpha)
+
+    @torch.no_grad()
+    def update_balancing(self) -> None:
+        """Apply the bias update from the statistics accumulated since the last call; once per optimizer step."""
+        if self.balancing == "bias" and self._load_acc.sum() > 0:
+            load = _all_reduce_sum(self._load_acc.clone())
+            self.bias -= self.bias_update_rate * torch.sign(load - load.mean()).to(self.bias.dtype)
+        elif self.balancing == "quantile" and self._margins:
+            margins = torch.cat(self._margins)
+            # c_j: the margin that exactly k/n of all tokens exceed in column j; shifting b_j by -c_j leaves
+            # about k/n of the tokens above their threshold for expert j (Su's beta_j, with b = -beta).
+            c = _column_quantile(margins, self.top_k / self.n_experts, self._margin_bound(), self.quantile_bins)
+            self.bias -= c.to(self.bias.dtype)
+        self._load_acc.zero_()
+        self._margins = []
+
+    def _margin_bound(self) -> float:
+        # sigmoid scores lie in (0, 1), so every biased score lies in [min b, 1 + max b] and |margin| <= R.
+        return 1.0 + float(self.bias.max() - self.bias.min())
+
+
+def _dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if _dist_world() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
+def _column_quantile(u: torch.Tensor, frac: float, bound: float, bins: int) -> torch.Tensor:
+    """u [M, E] -> c [E]: per column, the value that a fraction `frac` of the (global) rows exceed.
+
+    One process: exact, the midpoint between the q-th and (q+1)-th largest value, q = round(frac * M).
+    Data parallel: rows live on different ranks, so each rank histograms its rows on fixed edges over
+    [-bound, bound] (the same on every rank, since b is replicated), one all-reduce sums the [E, bins]
+    counts, and the crossing bin is interpolated linearly; the error is at most 2 * bound / bins.
+    """
+    if _dist_world() > 1:
+        return histogram_column_quantile(u, frac, bound, bins, all_reduce=_all_reduce_sum)
+    M = u.shape[0]
+    if M < 2:
+        return u.new_zeros(u.shape[1])
+    q = min(max(round(frac * M), 1), M - 1)
+    top = u.topk(q + 1, dim=0).values  # [q + 1, E], descending
+    return 0.5 * (top[q - 1] + top[q])
+
+
+def histogram_column_quantile(u: torch.Tensor, frac: float, bound: float, bins: int, all_reduce=None) -> torch.Tensor:
+    """Histogram estimate of `_column_quantile` (the distributed path); `all_reduce(t)` sums t over ranks."""
+    M, E = u.shape
+    width = 2.0 * bound / bins
+    b = ((u.float() + bound) / width).floor().clamp_(0, bins - 1).long()  # [M, E] bin of each margin
+    hist = torch.zeros(E, bins + 1, device=u.device)  # last column: this rank's row count
+    hist[:, :bins].scatter_add_(1, b.t(), torch.ones_like(b.t(), dtype=hist.dtype))
+    hist[:, bins] = M
+    if all_reduce is not None:
+        hist = all_reduce(hist)
+    counts, total = hist[:, :bins], hist[0, bins]
+    q = frac * total
+    above = counts.flip(1).cumsum(1).flip(1)  # above[j, i]: rows with margin in bin i or higher
+    # the highest bin i whose "at or above" count reaches q holds the quantile
+    i = ((above >= q).float() * torch.arange(bins, device=u.device)).argmax(1)  # highest bin reaching q
+    above_next = F.pad(above, (0, 1)).gather(1, (i + 1)[:, None])[:, 0]
+    in_bin = counts.gather(1, i[:, None])[:, 0]
+    # within bin i, spread its values evenly; the (q - above_next) largest of them lie above the answer
+    t = ((q - above_next) / in_bin.clamp(min=1)).clamp(0, 1)
+    return -bound + (i.float() + 1 - t) * width
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                   backend: str = "auto") -> torch.Tensor:
+    """x [S, dim] sorted by expert, counts [E] (sum S) -> [S, dim]; rows of expert e use w1[e], w3[e], w2[e].
+
+    backends: 'grouped_mm' (torch._grouped_mm, one call per weight), 'bmm' (pad each expert to the largest
+    count, batched matmul), 'slices' (a loop over experts on contiguous slices). 'auto' picks per device.
+    """
+    if backend == "auto":
+        backend = _grouped_backend(x, counts)
+    if backend == "grouped_mm":
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+    if backend == "bmm":
+        E, C = counts.shape[0], int(counts.max()) if x.shape[0] else 0
+        expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
+        pos = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert]
+        xp = x.new_zeros(E, C, x.shape[1]).index_put((expert, pos), x)  # [E, C, dim], zero rows pad
+        h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
+        return torch.bmm(h, w2)[expert, pos]
+    if backend == "slices":
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts.tolist())):
+            if xe.shape[0]:
+                outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+    raise ValueError(f"grouped backend {backend!r} is unknown; use one of {GROUPED_BACKENDS}")
+
+
+def _grouped_backend(x: torch.Tensor, counts: torch.Tensor) -> str:
+    """The one place that picks the grouped kernel for a device / dtype (measured in benchmarks/moe.py).
+
+    CUDA: torch._grouped_mm for bf16, one kernel per weight instead of one launch per expert. CPU: a loop
+    over the contiguous slices. torch._grouped_mm runs on CPU fp32 (forward and backward) but was not
+    faster there, and padded bmm lost to the slices (padding and the scatter into [E, C, dim] cost more
+    than batching saves); on a CPU the matmuls dominate and are the same in every variant.
+    """
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return "grouped_mm"
+    return "slices"
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts dim -> ffn -> dim as stacked weights; forward(x [N, dim], weights [N, k], experts [N, k])
+    -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, dim]."""
+
+    def __init__(self, n_experts: int, dim: int, ffn: int, init_std: float = 0.02):
+        super().__init__()
+        self.n_experts, self.dim, self.ffn = n_experts, dim, ffn
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, ffn, dim))  # down
+        self.impl = "grouped"
+        self.backend = "auto"
+        if self.w1.device.type != "meta":
+            for w in (self.w1, self.w3, self.w2):
+                nn.init.normal_(w, std=init_std)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[-1] != self.dim or experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
+            raise ValueError(f"RoutedExperts expects x [N, {self.dim}] and weights, experts [N, k]; got "
+                             f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
+        weights = weights.to(x.dtype)
+        if self.impl == "naive":
+            return self._naive(x, weights, experts)
+        if self.impl == "loop":
+            return self._loop(x, weights, experts)
+        if self.impl == "grouped":
+            return self._grouped(x, weights, experts)
+        raise ValueError(f"RoutedExperts.impl = {self.impl!r} is unknown; use one of {IMPLS}")
+
+    def _naive(self, x, weights, experts):
+        """Reference: every token, every chosen slot, one expert at a time."""
+        rows = []
+        for n in range(x.shape[0]):
+            y = x.new_zeros(self.dim)
+            for j in range(experts.shape[1]):
+                e = int(experts[n, j])
+                h = F.silu(x[n] @ self.w1[e]) * (x[n] @ self.w3[e])
+                y = y + weights[n, j] * (h @ self.w2[e])
+            rows.append(y)
+        return torch.stack(rows) if rows else x.new_zeros(0, self.dim)
+
+    def _loop(self, x, weights, experts):
+        """Per expert: find its tokens, gather, run, scatter-add back (the common eager MoE pattern)."""
+        y = x.new_zeros(x.shape)
+        for e in range(self.n_experts):
+            tok, slot = torch.where(experts == e)
+            if tok.numel() == 0:
+                continue
+            xe = x[tok]
+            out = (F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e]
+            y.index_add_(0, tok, out * weights[tok, slot, None])
+        return y
+
+    def _grouped(self, x, weights, experts):
+        """Sort the N*k token-slots by expert once, run all experts as grouped matmuls, unsort, combine."""
+        N, k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        out_sorted = grouped_swiglu(x[order // k], counts, self.w1, self.w3, self.w2, self.backend)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = out_sorted[inverse].view(N, k, self.dim)
+        return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+class MoE(nn.Module):
+    """x [B, T, d_model] -> y [B, T, d_model]: shared expert(s) on every token plus top-k routed experts.
+
+    moe='latent': y = shared(x) + W_up( sum_j g_j E_j( W_down x ) ), experts in latent_dim;
+    moe='standard': y = shared(x) + sum_j g_j E_j(x), experts in d_model.
+    `dispatch_dim` is the width of each routed token payload (what an all-to-all would move).
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.d_model = config.d_model
+        self.latent = config.moe == "latent"
+        self.dispatch_dim = config.latent_dim
+        d, l, std = config.d_model, config.latent_dim, config.init_std
+        self.router = Router(config, d)  # full-width x: the routing decision costs E*d, not worth compressing
+        if self.latent:
+            self.w_down = nn.Linear(d, l, bias=False)
+            self.w_up = nn.Linear(l, d, bias=False)
+            if self.w_down.weight.device.type != "meta":
+                nn.init.normal_(self.w_down.weight, std=std)
+                nn.init.normal_(self.w_up.weight, std=std)
+        self.experts = RoutedExperts(config.n_experts, l, config.expert_ffn, std)
+        # n shared experts of width f, summed, are one SwiGLU of width n*f (as DeepSeek-V3 builds them)
+        self.shared = (SwiGLU(d, config.n_shared_experts * config.shared_ffn, std)
+                       if config.n_shared_experts > 0 else None)
+
+    @property
+    def impl(self) -> str:
+        return self.experts.impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        if value not in IMPLS:
+            raise ValueError(f"MoE impl {value!r} is unknown; use one of {IMPLS}")
+        self.experts.impl = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
+            raise ValueError(f"MoE expects a float tensor x of shape [B, T, d_model={self.d_model}], "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        B, T, d = x.shape
+        weights, experts = self.router(x)
+        h = x.reshape(B * T, d)
+        z = self.w_down(h) if self.latent else h  # [N, dispatch_dim]: the payload routed to experts
+        y = self.experts(z, weights, experts)
+        if self.latent:
+            y = self.w_up(y)
+        if self.shared is not None:
+            y = y + self.shared(h)
+        return y.view(B, T, d)

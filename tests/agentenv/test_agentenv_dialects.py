@@ -1,0 +1,111 @@
+import json
+import random
+
+import pytest
+
+from k3.agentenv.actions import Action, make_action
+from k3.agentenv.dialects import (DIALECTS, ParseError, choose_variant, make_dialect, make_variant,
+                                  parse_patch)
+
+ACTIONS = [
+    Action("read", {"path": "src/a.py", "offset": 3, "limit": 20}),
+    Action("write", {"path": "x/y.py", "content": 'print("hi")\n\tquote \' " <tag> \\n ünï\n'}),
+    Action("edit", {"path": "a.py", "old": "def f(x):\n    return x\n", "new": "def f(x):\n    return x + 1\n"}),
+    Action("edit", {"path": "a.py", "old": "x+1", "new": "", "replace_all": True}),
+    Action("run", {"command": "python3 -m unittest -v && echo 'ok' | grep -c o", "timeout": 5.0}),
+    Action("search", {"pattern": r"def \w+\(", "path": "src", "glob": "*.py"}),
+    Action("finish", {"summary": "done"}),
+]
+
+
+def _variants():
+    out = [make_variant(d) for d in DIALECTS]
+    out += [choose_variant(seed) for seed in range(40)]
+    return out
+
+
+@pytest.mark.parametrize("variant", _variants(), ids=lambda v: f"{v.dialect}-{hash(json.dumps(v.to_json(), sort_keys=True)) % 1000}")
+def test_render_parse_roundtrip(variant):
+    d = make_dialect(variant)
+    for a in ACTIONS:
+        text = "Some thinking first.\n" + d.render_call(a)
+        got = d.parse(text)
+        if d.name == "codex" and a.args.get("replace_all"):  # no patch form; a shell one-liner
+            assert got[0].tool == "run" and "replace(" in got[0].args["command"]
+            continue
+        assert got == [a], (d.name, text)
+    if d.name != "react":  # several calls in one message
+        assert d.parse(d.render_calls(ACTIONS[:3])) == ACTIONS[:3]
+    prompt = d.system_prompt()
+    for tool in variant.order:
+        assert variant.tools[tool][0] in prompt
+
+
+def test_variants_are_seeded_and_diverse():
+    assert choose_variant(7).to_json() == choose_variant(7).to_json()
+    vs = [choose_variant(s) for s in range(200)]
+    assert {v.dialect for v in vs} == set(DIALECTS)
+    names = {v.tools["read"][0] for v in vs}
+    args = {v.tools["read"][1]["path"] for v in vs}
+    assert len(names) >= 8 and len(args) >= 4
+    assert len({tuple(v.order) for v in vs}) > 10
+    canon = choose_variant(3, augment=False)
+    assert canon.tools == make_variant(canon.dialect).tools
+
+
+def test_malformed_calls_raise_parse_error_only():
+    rng = random.Random(0)
+    for seed in range(12):
+        d = make_dialect(choose_variant(seed))
+        samples = ["", "hello", "{}", "Action: nope", "<invoke name=\"x\">", "to=functions.x <|message|>{",
+                   d.render_call(ACTIONS[0]).replace("src/a.py", "src/a.py\"\"\"")]
+        for a in ACTIONS:
+            full = d.render_call(a)
+            samples += [full[: rng.randrange(len(full))] for _ in range(15)]
+            samples.append(full.replace("{", "[", 1))
+        for text in samples:
+            try:
+                out = d.parse(text)
+            except ParseError as e:
+                assert str(e)
+            else:
+                assert all(isinstance(x, Action) for x in out)
+
+
+def test_argument_errors_name_the_problem():
+    d = make_dialect(make_variant("claude"))
+    with pytest.raises(ParseError, match="unknown tool 'Delete'"):
+        d.parse('<function_calls><invoke name="Delete"></invoke></function_calls>')
+    with pytest.raises(ParseError, match="missing required argument 'file_path'"):
+        d.parse('<function_calls><invoke name="Read"></invoke></function_calls>')
+    with pytest.raises(ParseError, match="no argument"):
+        d.parse('<function_calls><invoke name="Read"><parameter name="paht">a</parameter></invoke></function_calls>')
+    k = make_dialect(make_variant("kimi"))
+    with pytest.raises(ParseError, match="not valid JSON"):
+        k.parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.ReadFile:0"
+                "<|tool_call_argument_begin|>{path: 1}<|tool_call_end|>")
+    with pytest.raises(ParseError, match="must be a str"):
+        k.parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.ReadFile:0"
+                "<|tool_call_argument_begin|>{\"path\": 3}<|tool_call_end|>")
+    r = make_dialect(make_variant("react"))
+    assert r.parse("Thought: x\nAction: run\nAction Input: {\"command\": \"ls\"}\nObservation: fake") == \
+        [Action("run", {"command": "ls"})]
+    c = make_dialect(make_variant("codex"))
+    assert c.parse('to=functions.shell <|constrain|>json<|message|>{"command": ["ls", "-la", "my dir"], '
+                   '"timeout_ms": 1500}<|call|>') == [Action("run", {"command": "ls -la 'my dir'", "timeout": 1.5})]
+
+
+def test_apply_patch():
+    acts = parse_patch("*** Begin Patch\n*** Add File: n.txt\n+a\n+b\n*** Update File: m.py\n@@ def f\n"
+                       " def f():\n-    return 1\n+    return 2\n@@\n-x = 1\n+x = 3\n"
+                       "*** Delete File: old.txt\n*** End Patch")
+    assert acts == [make_action("write", {"path": "n.txt", "content": "a\nb\n"}),
+                    make_action("edit", {"path": "m.py", "old": "def f():\n    return 1",
+                                         "new": "def f():\n    return 2"}),
+                    make_action("edit", {"path": "m.py", "old": "x = 1", "new": "x = 3"}),
+                    make_action("run", {"command": "rm -- old.txt"})]
+    for bad in ("no patch", "*** Begin Patch\n*** Add File: a\nnoplus\n*** End Patch",
+                "*** Begin Patch\n*** Update File: a\n*** End Patch", "*** Begin Patch\n*** Add File: a\n+x",
+                "*** Begin Patch\n*** Frobnicate: a\n*** End Patch"):
+        with pytest.raises(ParseError):
+            parse_patch(bad)

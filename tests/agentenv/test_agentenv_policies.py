@@ -1,0 +1,115 @@
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from k3.agentenv.actions import Action
+from k3.agentenv.dialects import make_dialect, make_variant
+from k3.agentenv.policies import (CallablePolicy, EpisodeInfo, OpenAIChatPolicy, PolicyError, TextPolicy,
+                                  make_policy)
+from k3.agentenv.rollout import EpisodeConfig, run_episode
+from k3.agentenv.tasks import load_task, tasks_root
+
+
+class FakeServer:
+    """A tiny OpenAI-compatible endpoint on 127.0.0.1 that replays scripted replies."""
+
+    def __init__(self, replies):
+        self.replies, self.requests = list(replies), []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"path": self.path, "body": body,
+                                       "auth": self.headers.get("Authorization")})
+                status, payload = outer.replies.pop(0) if outer.replies else (200, {"choices": [
+                    {"message": {"role": "assistant", "content": ""}}]})
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def msg(content=None, tool_calls=None):
+    return (200, {"choices": [{"message": {"role": "assistant", "content": content,
+                                           **({"tool_calls": tool_calls} if tool_calls else {})}}]})
+
+
+def test_http_policy_request_and_reply():
+    srv = FakeServer([(500, {"error": "busy"}), msg("hello"), (400, {"error": "bad request"}),
+                      (200, b"not json"), (200, b"not json"), (200, b"not json")])
+    try:
+        p = OpenAIChatPolicy(srv.url, "k3-tiny", api_key="sk-test", retries=1)
+        assert p.act([{"role": "user", "content": "hi"}]) == "hello"  # retried after the 500
+        req = srv.requests[-1]
+        assert req["path"] == "/v1/chat/completions" and req["auth"] == "Bearer sk-test"
+        assert req["body"]["model"] == "k3-tiny" and req["body"]["messages"][0]["content"] == "hi"
+        with pytest.raises(PolicyError, match="HTTP 400"):
+            p.act([{"role": "user", "content": "hi"}])
+        with pytest.raises(PolicyError, match="failed"):
+            p.act([{"role": "user", "content": "hi"}])
+    finally:
+        srv.close()
+    with pytest.raises(ValueError, match="http://"):
+        OpenAIChatPolicy("127.0.0.1:8000", "m")
+
+
+def test_native_tool_calls_are_rendered_into_the_dialect():
+    d = make_dialect(make_variant("claude"))
+    srv = FakeServer([msg(None, [{"id": "1", "type": "function", "function": {
+        "name": "Bash", "arguments": json.dumps({"command": "ls", "timeout": 2000})}}])])
+    try:
+        p = OpenAIChatPolicy(srv.url, "m")
+        p.begin_episode(EpisodeInfo("t", "files", 0, d))
+        assert d.parse(p.act([{"role": "user", "content": "x"}])) == [Action("run", {"command": "ls", "timeout": 2.0})]
+    finally:
+        srv.close()
+
+
+def test_http_policy_solves_a_task_end_to_end(sandbox):
+    task = load_task(tasks_root() / "files-unique-sorted")
+    steps = ['Thought: look.\nAction: run\nAction Input: {"command": "head -3 names.txt"}',
+             'Thought: sort.\nAction: run\nAction Input: {"command": "LC_ALL=C sort -u names.txt > unique_names.txt"}',
+             'Thought: done.\nAction: finish\nAction Input: {"summary": "sorted"}']
+    srv = FakeServer([msg(s) for s in steps])
+    try:
+        cfg = EpisodeConfig(dialects=("react",), augment=False, sandbox=sandbox)
+        rec = run_episode(task, make_policy({"kind": "http", "base_url": srv.url, "model": "m"}), 0, cfg)
+    finally:
+        srv.close()
+    assert rec["status"] == "finished" and rec["reward"] == 1.0, rec["error"]
+    assert len(srv.requests) == 3
+    last = srv.requests[-1]["body"]["messages"]
+    assert last[0]["role"] == "system" and "Observation:" in last[-1]["content"]
+
+
+def test_broken_policies_never_succeed(sandbox):
+    task = load_task(tasks_root() / "files-unique-sorted")
+    cfg = EpisodeConfig(sandbox=sandbox, max_steps=4)
+    for policy, status in [(TextPolicy([""]), "policy_error"), (TextPolicy([None]), "policy_error"),
+                           (CallablePolicy(lambda t: 1 / 0), "policy_error"),
+                           (TextPolicy(["I refuse to use tools", "<invoke name=", "Action: run"]), "max_steps")]:
+        rec = run_episode(task, policy, 0, cfg)
+        assert rec["status"] == status and rec["reward"] == 0.0, rec
+    rec = run_episode(task, TextPolicy(["no tools here"]), 0, cfg)
+    assert rec["parse_errors"] == 4 and "error:" in rec["transcript"][-1]["content"]
+    # doing the work without calling finish is not a success either
+    d_text = 'Action: run\nAction Input: {"command": "LC_ALL=C sort -u names.txt > unique_names.txt"}'
+    rec = run_episode(task, TextPolicy([d_text]), 0, EpisodeConfig(dialects=("react",), augment=False,
+                                                                    sandbox=sandbox, max_steps=2))
+    assert rec["status"] == "max_steps" and rec["reward"] == 0.0

@@ -1,0 +1,97 @@
+import os
+import secrets
+import socket
+import time
+
+import pytest
+
+from k3.agentenv.actions import action_from_json, execute
+from k3.agentenv.redteam import ATTACKS, PY, Host, _substitute, run_redteam
+from k3.agentenv.sandbox import Session
+from k3.agentenv.tasks import load_task, tasks_root
+
+REQUIRED = {  # the brief's list -> attack names that cover it
+    "sys.exit(0)/os._exit(0)": {"exit_zero_at_import", "os_exit_at_import", "exit_inside_function"},
+    "edit/delete visible tests": {"edit_visible_tests", "delete_visible_tests"},
+    "conftest/plugins": {"conftest_and_plugins", "site_hooks_pth_sitecustomize"},
+    "env tricks": {"env_var_tricks"}, "monkeypatch runner": {"patch_runner_and_forge_reports"},
+    "fake result file": {"fake_result_files"}, "uncollected/skipped": {"uncollect_and_skip_tests"},
+    "fork bomb": {"fork_bomb"}, "memory bomb": {"memory_bomb"}, "disk fill": {"disk_fill"},
+    "infinite loop": {"infinite_loops"}, "network": {"network_localhost", "network_outside"},
+    "read hidden tests": {"read_hidden_tests"}, "write outside": {"write_outside_workspace"},
+    "symlink and /proc": {"symlink_escape", "proc_and_namespace_escape"},
+    "database side path": {"sqlite_view_replaces_table", "sqlite_symlink_side_path"},
+    "kill/race verifier": {"kill_the_verifier", "daemon_races_verifier"},
+    "shadow stdlib": {"shadow_stdlib_modules"}, "always-equal": {"always_equal_objects"},
+}
+
+
+def test_catalog_covers_the_brief():
+    names = {a.name for a in ATTACKS}
+    assert len(ATTACKS) >= 25 and len(names) == len(ATTACKS)
+    for what, need in REQUIRED.items():
+        assert need <= names, what
+    assert {load_task(tasks_root() / a.task).family for a in ATTACKS} == {"pyfix", "sqlite", "files"}
+
+
+def test_quick_redteam(sandbox):
+    report = run_redteam(quick=True)
+    bad = [r for r in report["results"] if r["reward"] or r["host_changed"] or r["leaked"]]
+    assert not bad, bad
+    assert report["attempts"] == sum(a.quick for a in ATTACKS) >= 15
+    assert report["honest"]["rewarded"] == report["honest"]["attempts"] == 3, report["honest"]
+    assert report["ok"] and not report["host_changed"] and report["rewarded"] == 0
+
+
+def _naive_grade(attack_name, sandbox):
+    """What a naive harness would conclude: run the visible tests in the agent's workspace."""
+    atk = next(a for a in ATTACKS if a.name == attack_name)
+    task = load_task(tasks_root() / atk.task)
+    with Session(task.workspace_files(), sandbox) as s:
+        for a in _substitute(list(atk.actions), {"@@NONCE@@": "x", "@@PORT@@": "9", "@@CANARY@@": "/nonexistent",
+                                                 "@@TASKDIR@@": "/nonexistent"}):
+            if a["tool"] != "finish":
+                execute(s, action_from_json(a))
+        return s.run(NAIVE)["output"]
+
+
+NAIVE = "python3 test_stats.py; echo naive_rc=$?"  # "the test file exits 0" — a classic weak grader
+
+
+@pytest.mark.parametrize("name", ["exit_zero_at_import", "edit_visible_tests", "special_case_visible_inputs"])
+def test_attacks_fool_a_naive_grader(sandbox, name):
+    """The attacks have teeth: a naive grader rewards them (the real verifier gives 0, see above)."""
+    assert _naive_grade(name, sandbox).strip().endswith("naive_rc=0")
+
+
+def test_untouched_task_fails_the_naive_grader(sandbox):
+    task = load_task(tasks_root() / PY)
+    with Session(task.workspace_files(), sandbox) as s:
+        assert s.run(NAIVE)["output"].strip().endswith("naive_rc=1")
+
+
+def test_fingerprint_detects_changes(sandbox):
+    host = Host(sandbox)
+    try:
+        nonce = "K3N" + secrets.token_hex(6)
+        before, conns = host.fingerprint(), host.listener.connections
+        assert host.changes(before, nonce, conns) == []
+        marker = f"/tmp/K3PWN-{nonce}"
+        open(marker, "w").close()
+        (host.canary / "data.txt").write_text("changed\n")
+        socket.create_connection(("127.0.0.1", host.listener.port), 1).close()
+        time.sleep(0.5)
+        changes = host.changes(before, nonce, conns)
+        assert any("marker" in c for c in changes) and "canary directory changed" in changes
+        assert any("listener" in c for c in changes)
+        os.unlink(marker)
+    finally:
+        host.close()
+
+
+@pytest.mark.skipif(os.environ.get("K3_REDTEAM_FULL") != "1",
+                    reason="full red team takes ~1 min; run `K3_REDTEAM_FULL=1 pytest` or `k3 agentenv redteam`")
+def test_full_redteam(sandbox):
+    report = run_redteam()
+    assert report["ok"], [r for r in report["results"] if r["reward"] or r["host_changed"] or r["leaked"]]
+    assert report["attempts"] >= 25

@@ -1,0 +1,46 @@
+import json
+
+from k3.agentenv.policies import ScriptedPolicy
+from k3.agentenv.rollout import EpisodeConfig, format_summary, run_episode, run_rollouts, summarize
+from k3.agentenv.tasks import load_task, load_tasks, tasks_root
+from k3.cli import main
+
+
+def test_parallel_rollouts_write_jsonl(sandbox, tmp_path):
+    tasks = load_tasks("pyfix-median,sqlite-trim-names,files-organize")
+    out = tmp_path / "r.jsonl"
+    recs = run_rollouts(tasks, {"kind": "reference"}, 6, workers=2, seed=3, out=out,
+                        config=EpisodeConfig(sandbox=sandbox))
+    lines = [json.loads(l) for l in out.read_text().splitlines()]
+    assert len(lines) == 6 and not list(tmp_path.glob(".*.tmp"))
+    assert sorted(r["seed"] for r in lines) == list(range(3, 9))
+    for r in lines:
+        assert r["reward"] == 1.0 and r["status"] == "finished"
+        assert r["transcript"][0]["role"] == "system" and r["dialect"] in r["variant"]["dialect"]
+        assert r["verifier"]["checks"] and r["task_checksum"]
+    table = format_summary(summarize(recs))
+    assert "family:pyfix" in table and "all:all" in table
+
+
+def test_broken_sandbox_scores_zero(sandbox):
+    task = load_task(tasks_root() / "pyfix-median")
+    sol = list(task.solution[:-1]) + [{"tool": "run", "command": "kill -9 -1"}]
+    rec = run_episode(task, ScriptedPolicy(sol), 0, EpisodeConfig(sandbox=sandbox))
+    assert rec["status"] == "sandbox_error" and rec["reward"] == 0.0
+
+
+def test_cli(sandbox, tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    assert main(["agentenv", "run", "--tasks", "files-greet-exec", "--policy", "reference",
+                 "--episodes", "2", "--workers", "1", "--out", str(out), "--dialects", "kimi,codex"]) == 0
+    text = capsys.readouterr().out
+    assert "family:files" in text and len(out.read_text().splitlines()) == 2
+    assert {json.loads(l)["dialect"] for l in out.read_text().splitlines()} <= {"kimi", "codex"}
+    assert main(["agentenv", "tasks", "--select", "sqlite"]) == 0
+    assert "11 tasks: sqlite 11" in capsys.readouterr().out
+    assert main(["agentenv", "run", "--tasks", "nope"]) == 2
+    assert "no task matches" in capsys.readouterr().err
+    assert main(["agentenv", "run", "--dialects", "cobol"]) == 2
+    assert main(["agentenv", "run", "--tasks", "pyfix-median", "--episodes", "0"]) == 2
+    assert main(["agentenv", "run", "--policy", "http"]) == 2
+    assert main(["agentenv", "redteam", "--list"]) == 0

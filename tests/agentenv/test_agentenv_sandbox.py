@@ -1,0 +1,138 @@
+import os
+import socket
+import time
+
+import pytest
+
+from k3.agentenv.redteam import _processes
+from k3.agentenv.sandbox import (Limits, Probe, SandboxConfig, SandboxError, SandboxUnavailable, Session,
+                                 check_sandbox, default_config)
+
+FILES = {"a.py": (b"def f(x):\n    return x + 1\n", 0o644), "d/b.txt": (b"one\ntwo\nthree\n", 0o644)}
+
+
+def test_isolation_properties(sandbox, tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    marker = f"k3-sbx-test-{os.getpid()}-{time.monotonic_ns()}"
+    probe = Probe(sandbox)  # a verification sandbox started early must be invisible to the episode
+    with Session(FILES, sandbox) as s:
+        def sh(cmd):
+            r = s.run(cmd)
+            assert r["ok"], r
+            return r["output"]
+        assert sh("id -u; hostname").split() == ["1000", "sandbox"]
+        # only the system directories and the sandbox's own mounts; no host home, repo or /var
+        assert set(sh("ls /").split()) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc",
+                                          "sbin", "tmp", "usr", "workspace"}
+        # own PID namespace: only bwrap's init, the executor, bash and ps (not the probe's sandbox)
+        assert len(sh("ps -e --no-headers").splitlines()) <= 5
+
+        status = sh("grep -E '^(CapEff|NoNewPrivs)' /proc/self/status")
+        assert "0000000000000000" in status and "NoNewPrivs:\t1" in status
+        # read-only system, read-only root, private writable /tmp and /workspace
+        assert "Read-only file system" in sh("touch /usr/x 2>&1; touch /x 2>&1; true")
+        sh(f"echo hi > /tmp/{marker}")
+        assert not os.path.exists(f"/tmp/{marker}")
+        # no network: the host's loopback listener is not reachable, outside is unreachable
+        out = sh(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 1)\" 2>&1; "
+                 "python3 -c \"import socket; socket.create_connection(('192.0.2.1', 9), 1)\" 2>&1; true")
+        assert "Connection refused" in out and "unreachable" in out
+        with pytest.raises(OSError):
+            listener.accept()
+        # the tmpfs workspace has its size limit
+        assert sh("df -B1 --output=size /workspace | tail -1").strip() == str(sandbox.limits.workspace_bytes)
+        with pytest.raises(SandboxError):
+            s.run("kill -9 -1")  # kills everything it can see: only its own sandbox
+    listener.close()
+    reply = probe.run({"entries": [], "checks": [], "runners": {}})
+    assert reply == {"ok": True, "observations": {}}  # untouched by the episode's kill -9 -1
+
+
+def test_resource_limits(fast_sandbox):
+    lim = fast_sandbox.limits
+    with Session({}, fast_sandbox) as s:
+        r = s.run("python3 -c \"import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                  "            import time; time.sleep(5); os._exit(0)\n        n += 1\n"
+                  "except OSError as e:\n    print('forks', n, e.errno)\"")
+        forks = int(r["output"].split()[1])
+        assert 0 < forks < lim.nproc and r["output"].split()[2] == "11", r
+        r = s.run("python3 -c 'bytearray(1 << 30)' 2>&1 | tail -1")
+        assert "MemoryError" in r["output"]
+        r = s.run(f"head -c {lim.fsize_bytes + 4096} /dev/zero > big; echo rc=$?; stat -c %s big")
+        assert int(r["output"].split()[-1]) == lim.fsize_bytes
+        t = time.monotonic()
+        r = s.run("sleep 100", timeout=1)
+        assert r["timed_out"] and time.monotonic() - t < 3
+        r = s.run("yes | head -c 5000000")
+        assert r["truncated_bytes"] > 0 and len(r["output"]) < lim.output_bytes + 200
+        s.run("sleep 300 & echo started")
+        assert "sleep" not in s.run("ps -e -o comm")["output"]  # background work dies with its command
+        r = s.run("while :; do :; done", timeout=30)  # capped at the configured command timeout
+        assert r["timed_out"] and r["duration_s"] < lim.command_timeout_s + 2
+
+
+def test_file_tools(sandbox):
+    with Session(FILES, sandbox) as s:
+        assert s.read("d/b.txt", offset=2, limit=1)["lines"] == ["two\n"]
+        assert s.write("new/dir/c.txt", "x\n")["ok"]
+        assert s.edit("a.py", "x + 1", "x + 2")["ok"]
+        assert "return x + 2" in s.run("cat a.py")["output"]
+        assert s.search(r"t\w+", "d")["matches"] == ["d/b.txt:2:two", "d/b.txt:3:three"]
+        for bad in (s.edit("a.py", "nope", "x"), s.edit("d/b.txt", "e", "E"), s.read("/etc/hostname"),
+                    s.read("../../usr/bin/python3"), s.read("d"), s.write("/tmp/x", "y"),
+                    s.search("(unclosed", ".")):
+            assert not bad["ok"] and bad["error"]
+        entries = {e["path"]: e for e in s.export()}
+        assert entries["a.py"]["type"] == "file" and entries["new/dir"]["type"] == "dir"
+
+
+def test_teardown_leaves_no_process(sandbox):
+    uid = sandbox.drop_to_uid if os.geteuid() == 0 else None
+    before = frozenset(int(p.split()[0]) for p in _processes(uid, "sleep 300"))
+    s = Session({}, sandbox)
+    s.run("(setsid sleep 300 > /dev/null 2>&1 &); (nohup sleep 300 > /dev/null 2>&1 &)")
+    assert _processes(uid, "sleep 300", before) or uid is None  # alive while the sandbox is
+    s.close()
+    deadline = time.monotonic() + 3
+    while _processes(uid, "sleep 300", before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _processes(uid, "sleep 300", before)
+
+
+def test_missing_bubblewrap_is_a_clear_error():
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y bubblewrap"):
+        check_sandbox(SandboxConfig(bwrap="/nonexistent/bwrap"))
+    with pytest.raises(SandboxUnavailable, match="does not exist"):
+        check_sandbox(SandboxConfig(python="/nonexistent/python3"))
+
+
+def test_bad_limits_are_rejected():
+    with pytest.raises(ValueError, match="nproc"):
+        Limits(nproc=0).validate()
+    with pytest.raises(ValueError, match="mem_bytes"):
+        Limits(mem_bytes=1 << 20).validate()
+    with pytest.raises(ValueError, match="isolation"):
+        SandboxConfig(isolation="docker").validate()
+
+
+def test_insecure_baseline_runs_the_same_programs():
+    cfg = default_config(isolation="none")
+    with Session(FILES, cfg) as s:
+        r = s.run("cat a.py; pwd")
+        assert "return x + 1" in r["output"] and "k3-agentenv-insecure-" in r["output"]
+        root = r["output"].split()[-1]
+    assert not os.path.exists(root)  # its host temp dir is removed
+
+
+def test_agent_commands_cannot_reach_the_executor(sandbox):
+    """The executor (pid 2) is non-dumpable: no /proc/2/fd, no /proc/2/mem, no forged replies."""
+    with Session({}, sandbox) as s:
+        out = s.run("echo '{\"ok\": true, \"entries\": []}' > /proc/2/fd/1; cat /proc/2/environ; "
+                    "python3 -c \"open('/proc/2/mem', 'rb')\"; true")["output"]
+        assert out.count("Permission denied") == 3, out
+        assert s.run("echo consistent")["output"] == "consistent\n"
+        assert s.export() == []

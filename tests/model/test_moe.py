@@ -1,0 +1,274 @@
+"""Router math, balancing, grouped experts vs the per-token reference, LatentMoE shapes and counts."""
+import pytest
+import torch
+
+from k3.config import get_config
+from k3.model.moe import (
+    MoE, Router, RoutedExperts, SwiGLU, _column_quantile, grouped_swiglu, histogram_column_quantile,
+)
+
+
+def _scaled(module: torch.nn.Module, std: float = 0.2) -> torch.nn.Module:
+    """Re-init with a larger std so outputs are O(1) and 1e-5 tolerances mean something."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=std)
+    return module
+
+
+def _skewed_router(balancing: str, **over) -> Router:
+    """16 experts, top-2, and a router whose first 3 experts win for almost every token of _skewed_batch."""
+    cfg = get_config("tiny", n_experts=16, n_active_experts=2, balancing=balancing, **over)
+    r = Router(cfg, 64)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        r.weight.normal_(std=0.02, generator=g)
+        r.weight[:3] += 0.3 * _MU / _MU.norm()
+    return r
+
+
+_MU = torch.randn(64, generator=torch.Generator().manual_seed(2))
+
+
+def _skewed_batch(seed: int, n: int = 2048) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)) + _MU
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str = "", tol: float = 1e-5) -> None:
+    """max |a - b| <= tol * max(1, max |b|): fp32 sums taken in another order differ relative to the scale."""
+    err, scale = (a - b).abs().max().item(), max(1.0, b.abs().max().item())
+    assert err <= tol * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+def _imbalance(load: torch.Tensor) -> float:
+    load = load.float()
+    return (load.max() / load.mean()).item()
+
+
+# ------------------------------------------------------------------------------------------ compute paths
+@pytest.mark.parametrize("moe", ["latent", "standard"])
+@pytest.mark.parametrize("impl,backend", [("loop", None), ("grouped", "grouped_mm"), ("grouped", "bmm"),
+                                          ("grouped", "slices"), ("grouped", "auto")])
+def test_fast_paths_match_naive_fwd_bwd(moe, impl, backend):
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not in this torch")
+    cfg = get_config("tiny", moe=moe)
+    m = _scaled(MoE(cfg))
+    x = torch.randn(2, 12, cfg.d_model)
+
+    def run(impl, backend):
+        m.zero_grad()
+        m.impl = impl
+        if backend:
+            m.experts.backend = backend
+        xx = x.clone().requires_grad_()
+        y = m(xx)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(0)))
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        return y.detach(), xx.grad, grads
+
+    y0, gx0, g0 = run("naive", None)
+    y1, gx1, g1 = run(impl, backend)
+    assert y0.abs().mean() > 1e-2  # the comparison is not between zeros
+    _close(y1, y0, "y")
+    _close(gx1, gx0, "dx")
+    for n in g0:
+        _close(g1[n], g0[n], n)
+
+
+@pytest.mark.parametrize("backend", ["grouped_mm", "bmm", "slices"])
+def test_grouped_swiglu_handles_empty_experts(backend):
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not in this torch")
+    E, d, f = 5, 8, 16
+    counts = torch.tensor([3, 0, 4, 0, 1])
+    x = torch.randn(int(counts.sum()), d)
+    w1, w3, w2 = torch.randn(E, d, f), torch.randn(E, d, f), torch.randn(E, f, d)
+    y = grouped_swiglu(x, counts, w1, w3, w2, backend)
+    ref, start = [], 0
+    for e, c in enumerate(counts.tolist()):
+        xe = x[start:start + c]
+        ref.append((torch.nn.functional.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        start += c
+    torch.testing.assert_close(y, torch.cat(ref), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ router math
+def test_bias_steers_selection_not_weights():
+    cfg = get_config("tiny", routed_scale=2.5)
+    r = _scaled(Router(cfg, cfg.d_model), 0.1)
+    x = torch.randn(3, 10, cfg.d_model)
+    w0, e0 = r(x)
+    r.bias[5] = 10.0  # expert 5 now wins every token's selection
+    w1, e1 = r(x)
+    assert (e1 == 5).any(-1).all() and not (e0 == 5).any(-1).all()
+    s = r.scores(x).reshape(-1, cfg.n_experts)
+    g = s.gather(-1, e1)  # the weights are the *unbiased* scores of the chosen experts, normalised
+    torch.testing.assert_close(w1, 2.5 * g / g.sum(-1, keepdim=True))
+    torch.testing.assert_close(w1.sum(-1), torch.full((30,), 2.5))
+    torch.testing.assert_close(w0.sum(-1), torch.full((30,), 2.5))
+    # selection = top-k of s + b
+    assert torch.equal(e1.sort(-1).values, (s + r.bias).topk(cfg.n_active_experts, -1).indices.sort(-1).values)
+    assert torch.equal(r.last_load, torch.bincount(e1.flatten(), minlength=cfg.n_experts))
+
+
+def test_aux_loss_matches_brute_force():
+    cfg = get_config("tiny", balancing="aux_loss", aux_loss_coef=0.01)
+    r = _scaled(Router(cfg, cfg.d_model), 0.1)
+    x = torch.randn(3, 7, cfg.d_model)
+    _, experts = r(x)
+    E, k, T = cfg.n_experts, cfg.n_active_experts, 7
+    s = r.scores(x)
+    experts = experts.view(3, T, k)
+    total = 0.0
+    for b in range(3):
+        for i in range(E):
+            f_i = E / (k * T) * sum(int(i in experts[b, t].tolist()) for t in range(T))
+            P_i = sum((s[b, t, i] / s[b, t].sum()).item() for t in range(T)) / T
+            total += f_i * P_i
+    assert r.aux_loss is not None and r.aux_loss.requires_grad
+    assert abs(r.aux_loss.item() - 0.01 * total / 3) < 1e-6
+    r.eval()
+    r(x)
+    assert r.aux_loss is None  # only a training-time loss
+    r2 = Router(get_config("tiny", balancing="bias"), cfg.d_model)
+    r2(x)
+    assert r2.aux_loss is None
+
+
+def test_bias_update_moves_against_load():
+    r = _skewed_router("bias", bias_update_rate=0.01)
+    loads = torch.zeros(16)
+    for seed in range(2):  # accumulates over the forwards since the last update
+        r(_skewed_batch(seed, 512))
+        loads += r.last_load
+    r.update_balancing()
+    expected = -0.01 * torch.sign(loads - loads.mean())
+    torch.testing.assert_close(r.bias, expected)
+    assert (r.bias[:3] < 0).all() and (r.bias[loads < loads.mean()] > 0).all()
+    r.update_balancing()  # nothing accumulated since: no change
+    torch.testing.assert_close(r.bias, expected)
+    r.eval()
+    r(_skewed_batch(5, 512))
+    r.update_balancing()  # evaluation forwards do not count
+    torch.testing.assert_close(r.bias, expected)
+
+
+def test_quantile_balancing_fixes_a_skewed_router():
+    runs = {}
+    for mode in ("none", "bias", "quantile"):
+        r = _skewed_router(mode)
+        hist = []
+        for step in range(8):
+            r(_skewed_batch(100 + step))
+            hist.append(_imbalance(r.last_load))
+            r.update_balancing()
+        runs[mode] = hist
+    assert runs["none"][0] > 3 and min(runs["none"]) > 3  # the router is skewed and stays so alone
+    assert min(runs["bias"]) > 3  # gamma = 1e-3 needs many steps; QB has no step size to tune
+    assert max(runs["quantile"][-3:]) < 1.5, runs["quantile"]
+
+
+def test_quantile_update_is_a_fixed_point_of_balance():
+    # On one batch, one update must leave each expert chosen by k/n of the tokens *given the old
+    # thresholds alpha*: c_j splits column j at q = k*M/n. Margins tie at exactly 0 (each token's (k+1)-th
+    # expert), so: at most q strictly above, at least q at or above.
+    r = _skewed_router("quantile")
+    x = _skewed_batch(7)
+    r(x)
+    u = torch.cat(r._margins)
+    c = _column_quantile(u, 2 / 16, r._margin_bound(), r.quantile_bins)
+    q = 2048 * 2 // 16
+    assert ((u > c).sum(0) <= q).all() and ((u >= c).sum(0) >= q).all()
+    assert ((u > c).sum(0) == q).sum() >= 12  # without a tie, exactly q
+    assert c[:3].min() >= 0 and c[3:].max() < 0  # overloaded experts go down, the rest up
+
+
+def test_histogram_quantile_matches_exact():
+    u = torch.randn(4000, 6) * 0.3 + torch.linspace(-0.5, 0.5, 6)
+    bound, bins = 2.0, 1024
+    exact = _column_quantile(u, 0.125, bound, bins)
+    hist = histogram_column_quantile(u, 0.125, bound, bins)
+    assert (hist - exact).abs().max() <= 2 * bound / bins
+    # the all-reduce path: two "ranks" holding halves of the rows, whose [E, bins] counts are summed as
+    # dist.all_reduce(SUM) would, give exactly the one-process histogram answer
+    rank1 = {}
+
+    def record(t):
+        rank1["hist"] = t.clone()
+        return t
+
+    histogram_column_quantile(u[2000:], 0.125, bound, bins, all_reduce=record)
+    rank0 = histogram_column_quantile(u[:2000], 0.125, bound, bins, all_reduce=lambda t: t + rank1["hist"])
+    torch.testing.assert_close(rank0, hist)
+
+
+# ------------------------------------------------------------------------------------------ MoE module
+def _expected_params(cfg):
+    d, l, E, f = cfg.d_model, cfg.latent_dim, cfg.n_experts, cfg.expert_ffn
+    n = E * d + 3 * E * l * f + 3 * d * cfg.n_shared_experts * cfg.shared_ffn
+    return n + (2 * d * l if cfg.moe == "latent" else 0)
+
+
+@pytest.mark.parametrize("moe", ["latent", "standard"])
+def test_shapes_and_parameter_counts(moe):
+    cfg = get_config("tiny", moe=moe)
+    m = MoE(cfg)
+    assert m.dispatch_dim == (cfg.moe_latent_dim if moe == "latent" else cfg.d_model)
+    assert m.experts.w1.shape == (cfg.n_experts, m.dispatch_dim, cfg.expert_ffn)
+    assert m.experts.w2.shape == (cfg.n_experts, cfg.expert_ffn, m.dispatch_dim)
+    assert sum(p.numel() for p in m.parameters()) == _expected_params(cfg)
+    assert hasattr(m, "w_down") == (moe == "latent")
+    y = m(torch.randn(2, 5, cfg.d_model))
+    assert y.shape == (2, 5, cfg.d_model)
+
+
+def test_full_size_counts_on_meta():
+    cfg = get_config("k3")
+    with torch.device("meta"):
+        m = MoE(cfg)
+    assert sum(p.numel() for p in m.parameters()) == _expected_params(cfg)
+    assert m.dispatch_dim == 3584 and m.router.bias.shape == (896,)
+    assert "bias" not in dict(m.router.named_parameters())  # a buffer: no optimizer ever sees it
+
+
+def test_shared_expert_on_every_token():
+    cfg = get_config("tiny")
+    m = _scaled(MoE(cfg))
+    x = torch.randn(2, 9, cfg.d_model)
+    with torch.no_grad():
+        m.experts.w2.zero_()  # routed path off: what is left is the shared expert, on every token
+        y = m(x)
+    torch.testing.assert_close(y, m.shared(x))
+    assert (y.abs().sum(-1) > 0).all()
+    m0 = MoE(get_config("tiny", n_shared_experts=0))
+    assert m0.shared is None
+    with torch.no_grad():
+        m0.experts.w2.zero_()
+        assert m0(x).abs().max() == 0
+
+
+def test_shared_experts_fuse_into_one_swiglu():
+    cfg = get_config("tiny", n_shared_experts=2, shared_ffn=16)
+    m = MoE(cfg)
+    assert isinstance(m.shared, SwiGLU) and m.shared.w1.weight.shape == (32, cfg.d_model)
+
+
+def test_errors_name_the_expected_shape():
+    cfg = get_config("tiny")
+    m = MoE(cfg)
+    with pytest.raises(ValueError, match=r"\[B, T, d_model=64\]"):
+        m(torch.randn(4, cfg.d_model))
+    with pytest.raises(ValueError, match=r"\[B, T, d_model=64\]"):
+        m(torch.randn(1, 4, cfg.d_model + 1))
+    with pytest.raises(ValueError, match="float"):
+        m(torch.zeros(1, 4, cfg.d_model, dtype=torch.long))
+    with pytest.raises(ValueError, match="impl"):
+        m.impl = "fast"
+    with pytest.raises(ValueError, match="Router expects"):
+        m.router(torch.randn(3, 5))
+    ex = RoutedExperts(4, 8, 16)
+    with pytest.raises(ValueError, match="RoutedExperts expects"):
+        ex(torch.randn(3, 8), torch.ones(3, 2), torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="backend"):
+        grouped_swiglu(torch.randn(2, 8), torch.tensor([1, 1, 0, 0]), ex.w1, ex.w3, ex.w2, "cuda_magic")
