@@ -26,7 +26,7 @@ bwrap:
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-demo: setup
+demo: $(STAMP)
 	$(BIN)/k3 demo
 
 bench: setup

@@ -1,0 +1,108 @@
+"""Kimi Delta Attention (KDA) op: one dispatch function over the reference and fast paths.
+
+    naive      token loop, the obviously-correct reference            (naive.py)
+    chunk      chunked WY/UT form, matmul-bound, for training/prefill (chunk.py)
+    recurrent  step loop tuned for decode / short T                   (recurrent.py)
+    fla        flash-linear-attention's Triton kernels (CUDA only)
+
+All share `(q, k, v, g, beta, scale, initial_state, output_final_state)` with q/k already L2-normalised
+by the caller, g the per-channel log-decay and beta the delta-rule write strength (Kimi Linear,
+arXiv 2510.26692).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from k3.ops.kda.chunk import chunk_kda
+from k3.ops.kda.naive import naive_recurrent_kda
+from k3.ops.kda.recurrent import fused_recurrent_kda
+
+__all__ = ["kda", "chunk_kda", "naive_recurrent_kda", "fused_recurrent_kda", "choose_impl", "IMPLS"]
+
+logger = logging.getLogger(__name__)
+
+IMPLS = ("naive", "chunk", "recurrent", "fla")
+RECURRENT_MAX_T = 16  # on CPU, at most this many tokens go through the step loop instead of chunks
+_warned_no_fla = False
+
+
+def _fla_kda():
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+    except ImportError:
+        return None
+    return fla_chunk, fla_recurrent
+
+
+def choose_impl(q: torch.Tensor) -> str:
+    """The implementation `kda(..., impl=None)` uses for these inputs."""
+    global _warned_no_fla
+    if q.is_cuda:
+        if _fla_kda() is not None:
+            return "fla"
+        if not _warned_no_fla:
+            logger.warning("fla is not installed: KDA on CUDA runs the pure-torch kernels; pip install 'k3[gpu]'")
+            _warned_no_fla = True
+    return "recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
+
+
+def _check(q, k, v, g, beta, initial_state) -> None:
+    def bad(name: str, want: str, x: torch.Tensor) -> None:
+        raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)} (q is {tuple(q.shape)})")
+
+    if q.dim() != 4:
+        bad("q", "[B, T, H, K]", q)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        bad("k", f"[B, T, H, K] = {[B, T, H, K]} like q", k)
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        bad("v", f"[B, T, H, V] = {[B, T, H, 'V']}", v)
+    if g.shape != q.shape:
+        bad("g", f"[B, T, H, K] = {[B, T, H, K]} like q", g)
+    if beta.shape != q.shape[:3]:
+        bad("beta", f"[B, T, H] = {[B, T, H]}", beta)
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        bad("initial_state", f"[B, H, K, V] = {[B, H, K, v.shape[-1]]}", initial_state)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0); beta: [B, T, H];
+    initial_state: [B, H, K, V]. Returns (o [B, T, H, V], final state [B, H, K, V] or None).
+
+    impl: None picks fla's Triton kernels for CUDA tensors (our kernels, with a warning, if fla is
+    missing) and on CPU 'recurrent' for T <= 16, else 'chunk'; or force one of 'naive', 'chunk',
+    'recurrent', 'fla'."""
+    _check(q, k, v, g, beta, initial_state)
+    impl = choose_impl(q) if impl is None else impl
+    args = (q, k, v, g, beta)
+    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
+    if impl == "fla":
+        fns = _fla_kda()
+        if fns is None or not q.is_cuda:
+            raise ValueError("impl='fla' needs fla installed and CUDA tensors; use impl='chunk' on CPU")
+        fla_chunk, fla_recurrent = fns
+        # fla's fused_recurrent_kda has no backward; use it only for short, gradient-free calls (decode)
+        needs_grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (*args, initial_state)
+        )
+        fn = fla_recurrent if q.shape[1] <= RECURRENT_MAX_T and not needs_grad else fla_chunk
+        return fn(*args, **kwargs)
+    fns = {"naive": naive_recurrent_kda, "chunk": chunk_kda, "recurrent": fused_recurrent_kda}
+    if impl not in fns:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    return fns[impl](*args, **kwargs)
