@@ -1,0 +1,116 @@
+"""Collate runs/bench/*.json into the measured table of docs/benchmarks.md.
+
+Each benchmark script writes its own JSON; this script only reads them and rewrites the block between
+the `<!-- bench:begin -->` and `<!-- bench:end -->` markers, so the prose around it stays hand-written.
+Usage: python benchmarks/report.py [--bench-dir runs/bench] [--doc docs/benchmarks.md]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+# benchmark -> [(key path, label, target as text or "")]; the numbers all come from the JSON files.
+HEADLINES = {
+    "kda": [
+        ("speedup_vs_fla_naive_chunk", "KDA chunk fwd vs fla naive_chunk_kda (B1 T4096 H4 K=V=128)", ">= 10x"),
+        ("speedup_vs_fla_naive_recurrent", "KDA chunk fwd vs fla naive_recurrent_kda", ">= 4x"),
+        ("fwd_bwd_speedup_vs_fla_naive_chunk", "KDA chunk fwd+bwd vs fla naive_chunk_kda", ""),
+        ("fwd_bwd_speedup_vs_fla_naive_recurrent", "KDA chunk fwd+bwd vs fla naive_recurrent_kda", ""),
+        ("tokens_per_s.ours_chunk", "KDA chunk fwd tokens/s", ""),
+    ],
+    "moe": [
+        ("speedup_vs_loop", "MoE layer fwd+bwd, grouped vs per-expert loop (64 experts, top-8, 4096 tokens)", ">= 3x"),
+        ("layer.forward.speedup_vs_loop", "MoE layer fwd, grouped vs per-expert loop", ""),
+        ("fraction_of_matmul_peak", "MoE layer fwd+bwd, fraction of fp32 matmul peak", ""),
+        ("layer.forward.fraction_of_matmul_peak", "MoE layer fwd, fraction of fp32 matmul peak", ""),
+    ],
+    "mx": [
+        ("quantize.mxfp4.speedup_vs_torchao_to_mx", "MXFP4 quantize vs torchao to_mx (4096x4096)", ">= 1x"),
+        ("quantize.mxfp8.speedup_vs_torchao_to_mx", "MXFP8 quantize vs torchao to_mx", ">= 1x"),
+        ("gemm.mxfp4.dequant_matmul_over_fp32_matmul", "packed MXFP4 dequant+matmul / fp32 matmul throughput", ""),
+    ],
+    "balancing": [
+        ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
+        ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
+        ("methods.bias.load_max_over_mean", "expert load max/mean, aux-loss-free bias", ""),
+        ("methods.quantile.load_max_over_mean", "expert load max/mean, Quantile Balancing", ""),
+    ],
+    "sandbox": [
+        ("overhead_ms_per_episode", "sandbox overhead per verified episode vs plain subprocess (ms)", "<= 50"),
+        ("overhead_ms_per_episode_cold_verifier", "same, verifier sandbox not pre-started (ms)", ""),
+        ("start_teardown_ms.bwrap", "bubblewrap start + teardown (ms)", ""),
+        ("episodes_per_s.bwrap", "verified episodes/s, 2 workers", ""),
+    ],
+    "train": [
+        ("tokens_per_s", "mini training tokens/s (fp32 CPU)", ""),
+        ("mfu", "mini training MFU vs measured fp32 matmul peak", ">= 0.20"),
+    ],
+}
+
+
+def lookup(d: dict, path: str):
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def machine_line(d: dict) -> str:
+    m = d.get("machine", {})
+    bits = [str(m.get(k)) for k in ("platform", "cpu_count", "cpus") if m.get(k) is not None]
+    torch_v = d.get("torch") or m.get("torch")
+    if torch_v:
+        bits.append(f"torch {torch_v}")
+    return ", ".join(bits)
+
+
+def render(bench_dir: Path) -> str:
+    rows = ["| benchmark | measure | value | target |", "|---|---|---:|---|"]
+    machines = []
+    for name in sorted(p.stem for p in bench_dir.glob("*.json")):
+        d = json.loads((bench_dir / f"{name}.json").read_text())
+        for key, label, target in HEADLINES.get(name, []):
+            v = lookup(d, key)
+            if v is not None:
+                rows.append(f"| {name} | {label} (`{key}`) | {fmt(v)} | {target} |")
+        if machine_line(d):
+            machines.append(f"- `{name}`: {machine_line(d)}")
+    return "\n".join(rows + ["", "Machines as recorded in each JSON:"] + machines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bench-dir", default="runs/bench", type=Path)
+    ap.add_argument("--doc", default="docs/benchmarks.md", type=Path)
+    args = ap.parse_args()
+    if not any(args.bench_dir.glob("*.json")):
+        raise SystemExit(f"no benchmark JSON in {args.bench_dir}; run `make bench` first")
+    text = args.doc.read_text()
+    begin, end = "<!-- bench:begin -->", "<!-- bench:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{args.doc} lacks the {begin} / {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n{render(args.bench_dir)}\n{end}{tail}"
+    fd, tmp = tempfile.mkstemp(dir=args.doc.parent, prefix=".benchmarks.")
+    with os.fdopen(fd, "w") as f:
+        f.write(new)
+    os.replace(tmp, args.doc)
+    print(f"updated {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
