@@ -1,0 +1,180 @@
+"""Claim: k3's pure-torch chunked KDA is much faster on CPU than fla's torch references.
+
+Times, in one process and round-robin (so load swings hit every contender alike), after a warm-up:
+k3 `chunk_kda` vs fla's `naive_chunk_kda` and `naive_recurrent_kda`, forward and forward+backward, at
+B=1, T=4096, H=4, K=V=128 fp32 (`--quick`: a small shape). Reports medians, min/max (noise), tokens/s,
+matmul GFLOP/s of our forward (flops counted by torch's FlopCounterMode) against a measured 2048^2
+matmul, and the max relative error of our output against fla's recurrent reference.
+
+    python benchmarks/kda.py --json          # prints one JSON object, writes runs/bench/kda.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from k3.ops.kda import chunk_kda
+
+OUT = Path(__file__).resolve().parent.parent / "runs" / "bench" / "kda.json"
+
+
+def make_inputs(B, T, H, K, V, strong=False, requires_grad=False):
+    q = torch.randn(B, T, H, K)
+    k = F.normalize(torch.randn(B, T, H, K), dim=-1)
+    v = torch.randn(B, T, H, V)
+    # typical gates: log-sigmoid of a unit normal (mean ~ -0.8 per step); strong: uniform down to -5
+    g = -5 * torch.rand(B, T, H, K) if strong else F.logsigmoid(torch.randn(B, T, H, K))
+    beta = torch.rand(B, T, H)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def fwd(fn, inputs):
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+    return run
+
+
+def fwd_bwd(fn, inputs):
+    w = torch.randn(inputs[2].shape)
+
+    def run():
+        for x in inputs:
+            x.grad = None
+        o, _ = fn(*inputs)
+        (o * w).sum().backward()
+    return run
+
+
+def round_robin(runs: dict, repeats: dict, warmups: dict) -> dict:
+    """Warm every contender up, then time them interleaved (contender a, b, c, a, b, c, ...), so that
+    load from other processes on a shared machine falls on all of them alike."""
+    for name, warm in warmups.items():
+        warm()
+    times = {name: [] for name in runs}
+    for i in range(max(repeats.values())):
+        for name, run in runs.items():
+            if i < repeats[name]:
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summary(ts: list, tokens: int) -> dict:
+    med = statistics.median(ts)
+    return {"median_s": med, "min_s": min(ts), "max_s": max(ts), "max_over_min": max(ts) / min(ts),
+            "tokens_per_s": tokens / med, "repeats": len(ts)}
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / min(ts) / 1e9
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="small shape, few repeats")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs of ours (fla's: 3)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
+    import fla
+
+    torch.manual_seed(0)
+    B, T, H, K, V = (1, 512, 2, 64, 64) if args.quick else (1, 4096, 4, 128, 128)
+    repeats = args.repeats or (3 if args.quick else 7)                        # ours; fla's are slow
+    ref_repeats = 3
+    tokens = B * T
+    load_before = os.getloadavg()
+    peak = matmul_peak_gflops()
+    contenders = {"ours_chunk": chunk_kda, "fla_naive_chunk": naive_chunk_kda, "fla_naive_recurrent": naive_recurrent_kda}
+
+    # fla's references take seconds per call at full size: warm them up on a short sequence instead
+    small = make_inputs(B, 128, H, K, V)
+    small_grad = make_inputs(B, 128, H, K, V, requires_grad=True)
+    inputs = make_inputs(B, T, H, K, V)
+    grad_inputs = make_inputs(B, T, H, K, V, requires_grad=True)
+    reps = {"ours_chunk": repeats, "fla_naive_chunk": ref_repeats, "fla_naive_recurrent": ref_repeats}
+
+    forward = round_robin({n: fwd(f, inputs) for n, f in contenders.items()}, reps,
+                          {n: fwd(f, inputs if n == "ours_chunk" else small) for n, f in contenders.items()})
+    with torch.no_grad():
+        o_ref, _ = naive_recurrent_kda(*inputs)
+        o_ours, _ = chunk_kda(*inputs)
+        with FlopCounterMode(display=False) as counter:
+            chunk_kda(*inputs)
+    max_rel_err = ((o_ours - o_ref).abs().max() / o_ref.abs().max()).item()
+    both = round_robin({n: fwd_bwd(f, grad_inputs) for n, f in contenders.items()}, reps,
+                       {n: fwd_bwd(f, grad_inputs if n == "ours_chunk" else small_grad) for n, f in contenders.items()})
+    strong_inputs = make_inputs(B, T, H, K, V, strong=True)
+    strong = round_robin({"ours_chunk": fwd(chunk_kda, strong_inputs)}, {"ours_chunk": repeats},
+                         {"ours_chunk": fwd(chunk_kda, strong_inputs)})
+
+    f_sum = {n: summary(ts, tokens) for n, ts in forward.items()}
+    b_sum = {n: summary(ts, tokens) for n, ts in both.items()}
+    ours_s = f_sum["ours_chunk"]["median_s"]
+    gflops = counter.get_total_flops() / ours_s / 1e9
+    result = {
+        "benchmark": "kda",
+        "claim": "k3 chunk_kda (pure torch) vs fla naive_chunk_kda / naive_recurrent_kda on CPU",
+        "shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": "float32", "chunk_size": 64,
+                  "g": "logsigmoid(N(0,1)) per channel", "quick": args.quick},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "torch": torch.__version__,
+        "fla": getattr(fla, "__version__", "unknown"),
+        "speedup_vs_fla_naive_chunk": f_sum["fla_naive_chunk"]["median_s"] / ours_s,
+        "speedup_vs_fla_naive_recurrent": f_sum["fla_naive_recurrent"]["median_s"] / ours_s,
+        "fwd_bwd_speedup_vs_fla_naive_chunk": b_sum["fla_naive_chunk"]["median_s"] / b_sum["ours_chunk"]["median_s"],
+        "fwd_bwd_speedup_vs_fla_naive_recurrent":
+            b_sum["fla_naive_recurrent"]["median_s"] / b_sum["ours_chunk"]["median_s"],
+        "tokens_per_s": {n: s["tokens_per_s"] for n, s in f_sum.items()},
+        "fwd_bwd_tokens_per_s": {n: s["tokens_per_s"] for n, s in b_sum.items()},
+        "forward": f_sum,
+        "fwd_bwd": b_sum,
+        "ours_forward_strong_decay": summary(strong["ours_chunk"], tokens),
+        "ours_forward_matmul_gflop": counter.get_total_flops() / 1e9,
+        "gflops": gflops,
+        "matmul_peak_gflops": peak,
+        "fraction_of_matmul_peak": gflops / peak,
+        "max_rel_err_vs_fla_naive_recurrent": max_rel_err,
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=OUT.parent, prefix=".kda.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, OUT)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"forward: {result['speedup_vs_fla_naive_chunk']:.1f}x vs fla naive_chunk, "
+              f"{result['speedup_vs_fla_naive_recurrent']:.1f}x vs fla naive_recurrent; "
+              f"fwd+bwd: {result['fwd_bwd_speedup_vs_fla_naive_chunk']:.1f}x / "
+              f"{result['fwd_bwd_speedup_vs_fla_naive_recurrent']:.1f}x; "
+              f"{gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of matmul peak; wrote {OUT}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692, Sec. 3 and Fig. 3).
+
+x -> q, k, v projections -> short causal depthwise conv + SiLU -> L2-normalised q, k (per head);
+per-channel forget gate alpha = exp(g), g = -exp(A_log) * softplus(W_alpha_up W_alpha_down x + dt_bias);
+write strength beta = sigmoid(W_beta x); the KDA recurrence (k3.ops.kda); per-head RMSNorm gated by
+sigmoid(W_gate_up W_gate_down x); output projection. The op never sees positions, so no RoPE.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.model.cache import KDACache
+from k3.ops.kda import kda
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        config.validate()
+        self.config, self.layer_idx = config, layer_idx
+        d, H, K, r = config.d_model, config.kda_heads, config.kda_head_dim, config.kda_gate_rank
+        self.n_heads, self.head_dim, self.conv_size, self.eps = H, K, config.kda_conv_size, config.norm_eps
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * K, bias=False)
+        # one depthwise causal conv over the concatenated [q; k; v] channels (the cache keeps its inputs)
+        self.conv_weight = nn.Parameter(torch.empty(3 * H * K, 1, config.kda_conv_size))
+        self.alpha_down = nn.Linear(d, r, bias=False)            # low-rank, per-channel forget gate
+        self.alpha_up = nn.Linear(r, H * K, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))                # per-head decay rate, log space
+        self.dt_bias = nn.Parameter(torch.empty(H * K))          # per-channel gate bias
+        self.beta_proj = nn.Linear(d, H, bias=False)
+        self.gate_down = nn.Linear(d, r, bias=False)             # low-rank output gate
+        self.gate_up = nn.Linear(r, H * K, bias=True)
+        self.norm_weight = nn.Parameter(torch.empty(K))          # RMSNorm weight, shared by the heads
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+        for p in (self.A_log, self.dt_bias):
+            p._no_weight_decay = True
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.init_std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        bound = 1.0 / math.sqrt(self.conv_size)                  # nn.Conv1d's default fan-in bound
+        nn.init.uniform_(self.conv_weight, -bound, bound)
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())  # decay rates in [1, 16], as fla
+        nn.init.zeros_(self.dt_bias)
+        nn.init.ones_(self.norm_weight)
+
+    def _short_conv(self, x: torch.Tensor, cache: KDACache | None) -> torch.Tensor:
+        """x: [B, T, C] -> SiLU(causal depthwise conv(x)), continuing from cache.conv_state [B, C, W-1]."""
+        B, T, C = x.shape
+        x = x.transpose(1, 2)
+        prev = cache.conv_state if cache is not None and cache.conv_state is not None else None
+        if prev is not None and prev.shape != (B, C, self.conv_size - 1):
+            raise ValueError(f"cache.conv_state is {tuple(prev.shape)} but this call needs [B, C, W-1] = "
+                             f"{[B, C, self.conv_size - 1]}; pass a fresh KDACache() for a new batch")
+        prev = x.new_zeros(B, C, self.conv_size - 1) if prev is None else prev.to(x.dtype)
+        x = torch.cat([prev, x], dim=-1)                         # [B, C, W - 1 + T]
+        if cache is not None:
+            cache.conv_state = x[..., x.shape[-1] - (self.conv_size - 1):].clone()
+        return F.silu(F.conv1d(x, self.conv_weight, groups=C)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        """x: [B, T, d_model] -> y: [B, T, d_model]. With a cache slot, continues from (and refills) its
+        conv_state and recurrent state, so prefill-then-decode equals one full forward."""
+        d = self.config.d_model
+        if x.dim() != 3 or x.shape[-1] != d:
+            raise ValueError(f"KimiDeltaAttention expects x of shape [B, T, d_model] = [B, T, {d}], got {tuple(x.shape)}")
+        if x.dtype != self.q_proj.weight.dtype:
+            raise ValueError(f"x is {x.dtype} but the layer is {self.q_proj.weight.dtype}; x must be [B, T, {d}] "
+                             f"in the layer's dtype (cast one of them)")
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache)
+        q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
+        q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        f = self.alpha_up(self.alpha_down(x)).view(B, T, H, K) + self.dt_bias.view(H, K)
+        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f.float())        # log alpha, <= 0
+        beta = torch.sigmoid(self.beta_proj(x))
+        o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+                       output_final_state=cache is not None)
+        if cache is not None:
+            cache.state = state
+        o = o.float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        o = o.to(x.dtype) * torch.sigmoid(self.gate_up(self.gate_down(x))).view(B, T, H, K)
+        return self.o_proj(o.reshape(B, T, H * K))

@@ -1,0 +1,166 @@
+"""Chunked parallel Kimi Delta Attention in pure torch (the CPU training / prefill path).
+
+Kimi Linear (arXiv 2510.26692, Sec. 3, chunkwise form of KDA): inside a chunk of C tokens the delta rule
+is a WY/UT-style triangular system, so every chunk's intra-chunk work is a few batched matmuls plus one
+batched triangular solve, and only the [K, V] state is carried from chunk to chunk.
+
+Within a chunk, with Gamma_r = g_1 + ... + g_r (per channel) and S_0 the incoming state,
+    S_r     = Diag(exp Gamma_r) S_0 + sum_{i<=r} Diag(exp(Gamma_r - Gamma_i)) k_i delta_i^T,
+    delta_r = beta_r (v_r - S_0^T (exp(Gamma_r) k_r) - sum_{i<r} A_ri delta_i),
+    A_ri    = sum_ch k_r k_i exp(Gamma_r - Gamma_i),
+so with T = I + Diag(beta) strictly_lower(A):  Delta = U - W S_0,  U = T^-1 Diag(beta) V,
+W = T^-1 Diag(beta) (exp(Gamma) * K), and
+    O   = (exp(Gamma) * Q) S_0 + lower(M) Delta,          M_ri = sum_ch q_r k_i exp(Gamma_r - Gamma_i),
+    S_C = Diag(exp Gamma_C) S_0 + (exp(Gamma_C - Gamma) * K)^T Delta.
+
+Numerical safety. exp(Gamma_r - Gamma_i) must not be split as exp(Gamma_r) * exp(-Gamma_i): with
+g ~ -5 per step, exp(-Gamma) overflows fp32 within 20 tokens. Each chunk is cut into sub-chunks of c
+tokens and every product is split at a reference point rho inside the row's sub-chunk a:
+    exp(Gamma_r - Gamma_i) = exp(Gamma_r - rho_a) * exp(rho_a - Gamma_i).
+For columns in earlier sub-chunks the second factor is <= 1 (and is formed as exp(rho_a - end_b) *
+exp(end_b - Gamma_i), two factors <= 1). rho_a is the middle of sub-chunk a when both halves decay by at
+most `max_exponent` (so every factor is <= exp(max_exponent)); otherwise rho_a is its start (every
+off-diagonal factor <= 1) and that sub-chunk's diagonal block is formed exactly, element by element.
+The price of a factor exp(x) is a relative error of about |x| * eps: at most ~2e-6 in fp32 with the
+default max_exponent = 30, reached only under strong decay (measured: <= 4e-6 on outputs at g ~ U(-5, 0)).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _sub_chunk_size(C: int) -> int:
+    for c in (16, 8, 4, 2):
+        if C % c == 0 and c < C:
+            return c
+    return C
+
+
+def _exact_diag_blocks(g: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """g, k, q: [n, c, K] for n sub-chunks. Returns [n, 2, c, c]: sum_ch x_r k_i exp(Gamma_r - Gamma_i) for
+    x = k, q and i <= r, each relative decay formed on its own (fp64 differences), so any decay is safe."""
+    c = g.shape[-2]
+    Gl = g.double().cumsum(-2)
+    causal = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    rel = (Gl.unsqueeze(-2) - Gl.unsqueeze(-3)).to(k.dtype).masked_fill(~causal[:, :, None], float("-inf"))
+    decayed_k = rel.exp() * k.unsqueeze(-3)                                   # [n, c(r), c(i), K]
+    return (decayed_k @ torch.stack([k, q], dim=-1)).permute(0, 3, 1, 2)    # [n, 2, c(r), c(i)]
+
+
+def _fill_chunks(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Copy x [B, T, H, D] into out [B, H, N, S, c, D] (chunk n, sub-chunk s, token j = time n*S*c + s*c + j;
+    zeros past T) with one pass over x; out may be a strided view. Returns out."""
+    B, H, N, S, c, D = out.shape
+    C, T = S * c, x.shape[1]
+    full = T // C
+
+    def chunked(y: torch.Tensor, n: int) -> torch.Tensor:
+        return y.reshape(B, n, S, c, H, D).permute(0, 4, 1, 2, 3, 5)
+
+    if full:
+        out[:, :, :full] = chunked(x[:, :full * C], full)
+    if T % C:
+        out[:, :, full:] = chunked(F.pad(x[:, full * C:], (0, 0, 0, 0, 0, C - T % C)), 1)
+    return out
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    sub_chunk_size: int | None = None,
+    max_exponent: float = 30.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0); beta: [B, T, H];
+    initial_state: [B, H, K, V]. Returns o: [B, T, H, V] (dtype of v) and the final state [B, H, K, V]
+    (fp32, or fp64 for fp64 inputs) if `output_final_state`, else None. Any T works: the tail chunk is
+    padded with g = 0, beta = 0 tokens, which leave the state untouched. Differentiable via autograd.
+    `sub_chunk_size` (default 16) and `max_exponent` tune the safe factorisation (module docstring)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    c = sub_chunk_size or _sub_chunk_size(C)
+    if C % c:
+        raise ValueError(f"sub_chunk_size {c} must divide chunk_size {C}")
+    S = C // c
+    scale = K ** -0.5 if scale is None else scale
+    out_dtype = v.dtype
+    dtype = torch.promote_types(q.dtype, torch.float32)                      # fp32 at least; fp64 stays fp64
+    N = max(1, -(-T // C))
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=q.device)
+
+    # chunked, zero-padded layouts; k and q of a sub-chunk sit side by side so one matmul serves both
+    kq = zeros(B, H, N, S, 2, c, K)
+    _fill_chunks(kq[..., 0, :, :], k.to(dtype))
+    _fill_chunks(kq[..., 1, :, :], q.to(dtype))
+    ks, qs = kq.unbind(-3)                                                    # [B, H, N, S, c, K]
+    g = _fill_chunks(zeros(B, H, N, S, c, K), g.to(dtype))
+    v = _fill_chunks(zeros(B, H, N, S, c, V), v.to(dtype)).flatten(-3, -2)   # [B, H, N, C, V]
+    beta = _fill_chunks(zeros(B, H, N, S, c, 1), beta.to(dtype).unsqueeze(-1)).flatten(-3, -2)  # [B, H, N, C, 1]
+
+    # cumulative log-decays. Inside a sub-chunk: prefix sums as one matmul with 0/1 matrices, giving Gamma
+    # since the sub-chunk start (Gl) and the decay still to come before its end (tot - Gl, summed directly
+    # rather than subtracted, so it stays accurate). Across sub-chunks: fp64, so their differences are exact.
+    ones = torch.ones(c, c, dtype=dtype, device=q.device)
+    Gl, to_end = (torch.cat([ones.tril(), ones.triu(1)]) @ g).unflatten(-2, (2, c)).unbind(-3)
+    tot = Gl[..., -1, :]                                                      # [..., S, K]
+    G_end = tot.double().cumsum(-2)                                           # differences of these stay exact
+    G_start = F.pad(G_end[..., :-1, :], (0, 0, 1, 0))
+    mid = Gl[..., max(c // 2 - 1, 0), :]
+    centred = torch.maximum(-mid, mid - tot).amax(-1) <= max_exponent         # [..., S]
+    rho = mid * centred.unsqueeze(-1)                                         # reference point of each sub-chunk
+
+    to_rho = (Gl - rho.unsqueeze(-2)).exp()                                   # exp(Gamma_r - rho_a), <= e^max_exponent
+    rows = (kq * to_rho.unsqueeze(-3)).flatten(-3, -2)                        # [..., S(a), 2c(r), K]
+    decay_G = to_rho * (G_start + rho.double()).to(dtype).exp().unsqueeze(-2)  # exp(Gamma) from the chunk start
+    kG, qG = (ks * decay_G).flatten(-3, -2), (qs * decay_G).flatten(-3, -2)   # [..., C, K]
+    k_dec = ks * to_end.exp()                                                 # k_i exp(end_b - Gamma_i), <= |k|
+    k_end = (k_dec * (G_end[..., -1:, :] - G_end).to(dtype).exp().unsqueeze(-2)).flatten(-3, -2)  # to chunk end
+
+    # exp(rho_a - end_b) for every pair of sub-chunks: <= 1 for b < a, the bounded diagonal for b = a
+    between = (G_start + rho.double()).unsqueeze(-2) - G_end.unsqueeze(-3)    # [..., S(a), S(b), K]
+    later = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+    between = between.to(dtype).clamp_max(max_exponent).masked_fill(later[:, :, None], float("-inf")).exp()
+    cols = (between.unsqueeze(-2) * k_dec.unsqueeze(-4)).flatten(-3, -2)     # [..., S(a), C(i), K]
+    A = (rows @ cols.transpose(-1, -2)).unflatten(-2, (2, c))               # [..., S(a), 2, c(r), C(i)]
+    if not bool(centred.all()):                                               # strong decay: exact diagonal blocks
+        idx = (~centred).nonzero(as_tuple=True)
+        exact = _exact_diag_blocks(g[idx], ks[idx], qs[idx])                 # [n, 2, c, c]
+        cols_idx = idx[-1][:, None] * c + torch.arange(c, device=q.device)   # [n, c]
+        n = cols_idx.shape[0]
+        A = A.index_put(idx, A[idx].scatter(-1, cols_idx[:, None, None, :].expand(n, 2, c, c), exact))
+    A = A.transpose(-4, -3).reshape(B, H, N, 2, C, C)
+    keep = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    A_kk, A_qk = A.masked_fill(~torch.stack([keep.tril(-1), keep]), 0.0).unbind(-3)
+
+    # UT transform: invert the unit-lower-triangular T of every chunk at once, then plain matmuls
+    eye = torch.eye(C, dtype=dtype, device=q.device)
+    T_inv = torch.linalg.solve_triangular(eye + A_kk * beta, eye, upper=False, unitriangular=True)
+    T_inv = T_inv * beta.transpose(-1, -2)                                    # T^-1 Diag(beta)
+    U = (T_inv @ v).flatten(0, 1)                                             # [B*H, N, C, V]
+    W = (T_inv @ kG).flatten(0, 1)                                            # [B*H, N, C, K]
+
+    # the only sequential part: Delta_n = U_n - W_n S_n, S_{n+1} = Diag(exp Gamma_C) S_n + K_end^T Delta_n
+    k_end = k_end.transpose(-1, -2).flatten(0, 1)                             # [B*H, N, K, C]
+    decay = G_end[..., -1, :].to(dtype).exp().unsqueeze(-1).flatten(0, 1)     # [B*H, N, K, 1]
+    S_ = zeros(B * H, K, V) if initial_state is None else initial_state.to(dtype).flatten(0, 1)
+    states, deltas = [], []
+    for n in range(N):
+        states.append(S_)
+        delta = torch.baddbmm(U[:, n], W[:, n], S_, alpha=-1)
+        deltas.append(delta)
+        S_ = torch.baddbmm(decay[:, n] * S_, k_end[:, n], delta)
+    S_in = torch.stack(states, dim=1).flatten(0, 1)                           # [B*H*N, K, V] state entering chunks
+    o = torch.baddbmm(qG.flatten(0, 2) @ S_in, A_qk.flatten(0, 2), torch.stack(deltas, dim=1).flatten(0, 1),
+                      beta=scale, alpha=scale)                                # q was left unscaled until here
+    o = o.view(B, H, N * C, V).transpose(1, 2)[:, :T].contiguous()
+    return o.to(out_dtype), (S_.view(B, H, K, V) if output_final_state else None)
