@@ -1,0 +1,185 @@
+"""Training throughput of `mini` on this machine: tokens/s, MFU, and where a step's time goes.
+
+    python benchmarks/train.py [--json] [--quick] [--steps N] [--batch-size B] [--seq-len T] [--optimizer adamw|muon]
+
+Runs the real Trainer (fp32 on CPU, bf16 autocast on CUDA) on random tokens (throughput does not depend on
+the text). After warm-up steps, `--steps` timed steps give tokens/s (median step) and MFU against the
+measured peak of a 2048^2 matmul in the same process (k3.train.metrics). The same steps are split into
+KDA, MLA, MoE, AttnRes, dense MLP, embedding/head, the optimizer and the rest with
+k3.train.profiling.ComponentTimer (forward: timed calls; backward: gradient hooks at each component's
+output and input; AttnRes backward: the gaps between components). Shares are medians over the timed
+steps of each part's fraction of its step. Writes runs/bench/train.json atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from k3.config import get_config
+from k3.train.metrics import measured_peak_flops
+from k3.train.profiling import ComponentTimer
+from k3.train.trainer import TrainConfig, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "bench" / "train.json"
+
+
+class RandomTokens:
+    """get_batch(step, B, T, seed) -> uniform random ids; a pure function of (seed, step)."""
+
+    def __init__(self, vocab_size: int, n_tokens: int = 1 << 20):
+        self.vocab_size, self.n_tokens = vocab_size, n_tokens
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def get_batch(self, step, batch_size, seq_len, seed=0):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        w = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_atomic(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="the tiny preset and a few steps, for smoke tests")
+    ap.add_argument("--preset", default=None, help="model preset (default mini; tiny with --quick)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; 3 with --quick)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 8 (2 with --quick)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 128 (32 with --quick)")
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    preset = args.preset or ("tiny" if args.quick else "mini")
+    steps = args.steps or (3 if args.quick else 5)
+    B = args.batch_size or (2 if args.quick else 8)
+    T = args.seq_len or (32 if args.quick else 128)
+
+    config = get_config(preset)
+    data = RandomTokens(config.vocab_size)
+    tc = TrainConfig(steps=args.warmup + steps + 1, batch_size=B, seq_len=T, optimizer=args.optimizer,
+                     device=args.device, warmup_steps=1, measure_mfu=False, record_attnres=True)
+    trainer = Trainer(config, tc, data)
+    timer = ComponentTimer(trainer.model, sync=trainer.device.type == "cuda")
+    machine_before = machine()
+    peak = measured_peak_flops(trainer.device, torch.bfloat16 if trainer.device.type == "cuda" else torch.float32)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times, shares = [], defaultdict(list)
+    timer.enabled = True
+    for _ in range(steps):
+        timer.reset()
+        rec = trainer.train_step()
+        dt_step = rec["step_time_s"]
+        times.append(dt_step)
+        parts = timer.split(rec["forward_s"], rec["backward_s"])
+        for comp in set(parts["forward"]) | set(parts["backward"]):
+            shares[comp].append((parts["forward"].get(comp, 0.0) + parts["backward"].get(comp, 0.0)) / dt_step)
+            shares[comp + ".forward_s"].append(parts["forward"].get(comp, 0.0))
+            shares[comp + ".backward_s"].append(parts["backward"].get(comp, 0.0))
+        shares["optimizer"].append(rec["optimizer_s"] / dt_step)
+        shares["optimizer.s"].append(rec["optimizer_s"])
+        rest = dt_step - rec["forward_s"] - rec["backward_s"] - rec["optimizer_s"]
+        shares["other"][-1] += max(0.0, rest) / dt_step  # data loading, QK-Clip, balancing, bookkeeping
+    timer.enabled = False
+    dt = statistics.median(times)
+    tokens = B * T
+    flops = trainer.flops_per_token * tokens / dt
+    breakdown = {}
+    for comp in sorted(k for k in shares if "." not in k):
+        entry = {"share": round(statistics.median(shares[comp]), 4)}
+        if comp == "optimizer":
+            entry["s"] = round(statistics.median(shares["optimizer.s"]), 4)
+        else:
+            entry["forward_s"] = round(statistics.median(shares[comp + ".forward_s"]), 4)
+            entry["backward_s"] = round(statistics.median(shares[comp + ".backward_s"]), 4)
+        breakdown[comp] = entry
+    accounted = sum(v["share"] for v in breakdown.values())
+
+    from k3.model.accounting import count_params
+
+    counts = count_params(trainer.model)
+    result = {
+        "benchmark": "train",
+        "quick": args.quick,
+        "preset": preset,
+        "params": counts["total"],
+        "active_params": counts["active"],
+        "shapes": {"batch_size": B, "seq_len": T, "tokens_per_step": tokens},
+        "optimizer": args.optimizer,
+        "device": str(trainer.device),
+        "dtype": "bf16 autocast" if trainer.device.type == "cuda" else "fp32",
+        "timed_steps": steps,
+        "step_time_s_median": round(dt, 4),
+        "step_time_s_all": [round(t, 4) for t in times],
+        "tokens_per_s": round(tokens / dt, 1),
+        "flops_per_token": trainer.flops_per_token,
+        "achieved_flops": flops,
+        "peak_flops_measured": peak,
+        "mfu": round(flops / peak, 4),
+        "breakdown": breakdown,
+        "breakdown_accounted_share": round(accounted, 4),
+        "definitions": {
+            "mfu": "model FLOPs per token (k3.train.metrics.flops_per_token: 6 x active non-embedding params + "
+                   "attention/KDA/AttnRes terms) x tokens/s / measured 2048^2 matmul FLOP/s",
+            "share": "median over timed steps of (forward + backward s) / step s; backward from gradient hooks "
+                     "at component boundaries, AttnRes backward = gaps between components (includes the "
+                     "pre-norms); 'other' = loss, norms, embedding backward, data, clipping excluded "
+                     "(in optimizer), QK-Clip, balancing",
+        },
+        "machine": machine_before,
+        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    write_atomic(Path(args.out), result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{preset} on {trainer.device} ({result['dtype']}), batch {B} x {T}: {result['tokens_per_s']:.0f} "
+              f"tokens/s, step {dt * 1e3:.0f} ms, MFU {result['mfu'] * 100:.1f}% of a measured "
+              f"{peak / 1e9:.0f} GFLOP/s")
+        for name, v in sorted(breakdown.items(), key=lambda kv: -kv[1]["share"]):
+            print(f"  {name:<11} {v['share'] * 100:5.1f}%")
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

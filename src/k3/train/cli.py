@@ -1,0 +1,379 @@
+"""`k3 train`, `k3 eval`, `k3 sample` and `k3 demo`: thin commands over k3.train and k3.data."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from k3.model.cli import add_config_args, config_from_args
+
+DEFAULT_DATA = "runs/data"
+DEMO_PROMPTS = ("def ", "import os\n", "class Config:\n    def __init__(self")
+
+
+# ---------------------------------------------------------------------- shared helpers
+def load_data_dir(path: str | Path):
+    """DataFiles from a `k3 tokenize` output directory, with errors that say what to run."""
+    from k3.data import load_data
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--data {path} does not exist; make it with `k3 tokenize --out {path}` "
+                         "(add --data TEXT_DIR to tokenize your own text)")
+    if not path.is_dir():
+        raise ValueError(f"--data {path} is a file; pass the directory written by `k3 tokenize --out DIR`, "
+                         f"or tokenize it first: `k3 tokenize --data {path} --out {DEFAULT_DATA}`")
+    if not any(path.iterdir()):
+        raise ValueError(f"--data {path} is empty; fill it with `k3 tokenize --out {path}`")
+    if not (path / "train.json").is_file():
+        raise ValueError(f"--data {path} holds no tokenized dataset (train.json); if it is raw text, run "
+                         f"`k3 tokenize --data {path} --out {DEFAULT_DATA}` and pass --data {DEFAULT_DATA}")
+    files = load_data(path)
+    for split in ("train", "val"):
+        ds = getattr(files, split)
+        if ds.n_tokens == 0:
+            raise ValueError(f"--data {path}: the {split} split is empty; give more text to `k3 tokenize`")
+    return files
+
+
+class Progress:
+    """A tqdm bar fed by the trainer's callbacks: loss and tokens/s per step, a line per evaluation."""
+
+    def __init__(self, trainer, desc: str = "train", enabled: bool = True):
+        self.trainer, self.desc, self.enabled = trainer, desc, enabled
+        self.bar = None
+
+    def on_step(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        from tqdm.auto import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=self.trainer.tc.steps, initial=rec["step"] - 1, unit="step", desc=self.desc,
+                            dynamic_ncols=True, file=sys.stderr)
+        if self.bar.total != self.trainer.tc.steps:
+            self.bar.total = self.trainer.tc.steps
+        self.bar.update(rec["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=True)
+
+    def on_eval(self, rec: dict) -> None:
+        msg = f"step {rec['step']}: val loss {rec['val_loss']:.4f}, ppl {rec['val_ppl']:.2f}"
+        if "val_bpb" in rec:
+            msg += f", {rec['val_bpb']:.4f} bits/byte"
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        elif self.enabled:
+            print(msg, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _train_config(args, **over):
+    from k3.train.trainer import TrainConfig
+
+    return TrainConfig(
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
+        optimizer=args.optimizer, max_minutes=args.max_minutes, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, keep_last=args.keep_last, seed=args.seed,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile, device=args.device,
+        warmup_steps=args.warmup_steps, **over,
+    ).validate()
+
+
+def _data_info(files) -> dict:
+    return {"data_dir": str(Path(files.out_dir).resolve()), "tokenizer": str(Path(files.tokenizer.path).resolve())}
+
+
+def _bytes_per_token(ds) -> float | None:
+    return ds.manifest.get("bytes_per_token") if hasattr(ds, "manifest") else None
+
+
+def set_threads(n: int | None, auto: bool = False) -> int:
+    """Intra-op CPU threads: `n` if given; with `auto`, the cores the load average leaves free (at least 1).
+
+    On a machine shared with other jobs, more threads than free cores make every op wait on the slowest
+    thread (measured on the shared 2-core dev machine at load ~5: a `mini` step took 3-90 s with 2 threads,
+    4-6.5 s with 1)."""
+    import os
+
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+    elif auto and hasattr(os, "getloadavg"):
+        free = (os.cpu_count() or 1) - os.getloadavg()[0]
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), int(free + 0.5))))
+    return torch.get_num_threads()
+
+
+def _check_qat(args) -> None:
+    if getattr(args, "qat", False):
+        raise ValueError("--qat is not available yet (quantization-aware training lands with k3.quant)")
+
+
+# ---------------------------------------------------------------------- k3 train
+def cmd_train(args: argparse.Namespace) -> int:
+    from k3.train.plots import plot_all
+    from k3.train.trainer import Trainer
+
+    _check_qat(args)
+    config = config_from_args(args)
+    tc = _train_config(args)
+    set_threads(args.threads)
+    files = load_data_dir(args.data)
+    trainer = Trainer(config, tc, files.train, files.val, args.out, bytes_per_token=_bytes_per_token(files.val),
+                      data_info=_data_info(files), overwrite=args.overwrite)
+    progress = Progress(trainer, desc=f"train {config.name}", enabled=not args.quiet)
+    try:
+        result = trainer.fit(resume=args.resume, on_step=progress.on_step, on_eval=progress.on_eval)
+    finally:
+        progress.close()
+    plots = plot_all(args.out)
+    last = result.losses[-1] if result.losses else float("nan")
+    print(f"trained {result.steps_done} steps ({result.tokens:,} tokens) in {result.elapsed_s / 60:.1f} min"
+          f"{' (time budget reached)' if result.stopped_early else ''}; last train loss {last:.4f}")
+    if result.val:
+        v = result.val[-1]
+        print(f"validation loss {v['val_loss']:.4f}" + (f", {v['val_bpb']:.4f} bits/byte" if "val_bpb" in v else ""))
+    print(f"metrics    {Path(args.out) / 'metrics.jsonl'}")
+    print(f"plots      {', '.join(str(p) for p in plots.values())}")
+    print(f"checkpoint {result.checkpoint}")
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 eval
+def cmd_eval(args: argparse.Namespace) -> int:
+    from k3.train.metrics import bits_per_byte
+    from k3.train.trainer import evaluate, load_trained_model, resolve_device
+
+    device = resolve_device(args.device)
+    model, manifest = load_trained_model(args.ckpt, device)
+    data_dir = args.data or manifest.get("data", {}).get("data_dir")
+    if not data_dir:
+        raise ValueError("the checkpoint does not name its data; pass --data DIR")
+    files = load_data_dir(data_dir)
+    seq_len = args.seq_len or manifest.get("data", {}).get("seq_len") or 256
+    from k3.train.trainer import check_dataset
+
+    check_dataset(files.val, "validation", model.config, 1, seq_len, 0)
+    t0 = time.perf_counter()
+    loss = evaluate(model, files.val, args.max_batches, args.batch_size, seq_len, device=device)
+    out = {"checkpoint": manifest["path"], "step": manifest["step"], "split": "val", "seq_len": seq_len,
+           "val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "seconds": round(time.perf_counter() - t0, 2)}
+    bpt = _bytes_per_token(files.val)
+    if bpt:
+        out["bytes_per_token"] = bpt
+        out["bits_per_byte"] = bits_per_byte(loss, bpt)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{out['checkpoint']} (step {out['step']}), val split, seq_len {seq_len}")
+        print(f"loss {loss:.4f} nats/token, perplexity {out['perplexity']:.2f}"
+              + (f", {out['bits_per_byte']:.4f} bits/byte ({bpt:.2f} bytes/token)" if bpt else ""))
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 sample
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
+                  top_p: float = 0.95, seed: int = 0) -> str:
+    """Continue `prompt` (an empty prompt starts a new document) and cut at the first <|eos|>."""
+    import torch
+
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1; got {temperature}, "
+                         f"{top_p}, {max_new_tokens}")
+    ids = tokenizer.encode(prompt, allow_special=False) if prompt else [tokenizer.eos_id]
+    if len(ids) + max_new_tokens > model.config.max_context:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_context = "
+                         f"{model.config.max_context}")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
+                         top_p=top_p, generator=gen)[0, len(ids):].tolist()
+    if tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    return prompt + tokenizer.decode(out)
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from k3.data import load_tokenizer
+    from k3.train.trainer import load_trained_model, resolve_device
+
+    model, manifest = load_trained_model(args.ckpt, resolve_device(args.device))
+    tok_path = args.tokenizer or manifest.get("data", {}).get("tokenizer")
+    if not tok_path:
+        raise ValueError("the checkpoint does not name its tokenizer; pass --tokenizer PATH")
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    for i in range(args.num_samples):
+        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                             args.seed + i)
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(text)
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 demo
+def cmd_demo(args: argparse.Namespace) -> int:
+    from k3.data import prepare_data
+    from k3.model.accounting import count_params
+    from k3.train.checkpoint import atomic_write_text
+    from k3.train.metrics import bits_per_byte, unigram_loss
+    from k3.train.plots import plot_all
+    from k3.train.trainer import TrainConfig, Trainer, _check_writable, eval_batches
+
+    t_start = time.perf_counter()
+    threads = set_threads(args.threads, auto=True)
+    if not args.minutes > 0:
+        raise ValueError(f"--minutes = {args.minutes} must be positive")
+    out = Path(args.out)
+    _check_writable(out)
+    config = config_from_args(args)
+    tty = sys.stderr.isatty()
+    print(f"k3 demo: data in {args.data} (tokenizer + packed train/val splits; reused when present)", file=sys.stderr)
+    files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty)
+    bpt = _bytes_per_token(files.val)
+
+    # the unigram baseline on exactly the validation targets the model is scored on
+    targets = (y for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches))
+    unigram = unigram_loss(files.train.tokens, config.vocab_size, targets)
+
+    tc = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                     optimizer=args.optimizer, max_minutes=args.minutes, fit_steps_to_budget=True,
+                     warmup_steps=args.warmup_steps, eval_every=0, eval_batches=args.eval_batches,
+                     eval_at_start=True, ckpt_every=args.ckpt_every, keep_last=2, seed=args.seed)
+    trainer = Trainer(config, tc, files.train, files.val, out, bytes_per_token=bpt, data_info=_data_info(files),
+                      overwrite=True)
+    spent = time.perf_counter() - t_start
+    reserve = min(45.0, 6.0 * args.minutes)  # samples, plots, summary; the trainer budgets its final eval + save
+    budget_min = (args.minutes * 60 - spent - reserve) / 60
+    if budget_min * 60 < 5:
+        raise ValueError(f"--minutes {args.minutes} leaves {budget_min * 60:.0f}s for training after preparing the "
+                         f"data ({spent:.0f}s); give more minutes")
+    tc.max_minutes = budget_min
+    counts = count_params(trainer.model)
+    print(f"k3 demo: training {config.name} ({counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M "
+          f"active) for about {budget_min:.1f} min on {trainer.device}; batch {tc.batch_size} x {tc.seq_len} tokens, "
+          f"{tc.optimizer}, lr {tc.lr}, {threads} CPU thread(s)", file=sys.stderr)
+    progress = Progress(trainer, desc=f"demo {config.name}", enabled=True)
+    try:
+        result = trainer.fit(on_step=progress.on_step, on_eval=progress.on_eval)
+    finally:
+        progress.close()
+
+    samples = []
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        text = generate_text(trainer.model, files.tokenizer, prompt, args.sample_tokens, 0.8, 0.95, args.seed + i)
+        samples.append(f"=== prompt {prompt!r} (temperature 0.8, top-p 0.95, seed {args.seed + i})\n{text}\n")
+    atomic_write_text(out / "samples.txt", "\n".join(samples))
+    plots = plot_all(out, baseline=unigram)
+
+    start, end = result.val[0], result.val[-1]
+    summary = {
+        "model": config.name, "params": counts["total"], "active_params": counts["active"],
+        "steps": result.steps_done, "tokens": result.tokens, "train_minutes": round(result.elapsed_s / 60, 2),
+        "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "batch_size": tc.batch_size,
+        "seq_len": tc.seq_len, "optimizer": tc.optimizer, "bytes_per_token_val": bpt,
+        "val_tokens_scored": tc.eval_batches * tc.batch_size * tc.seq_len,
+        "val_loss_start": start["val_loss"], "val_loss_end": end["val_loss"],
+        "val_bpb_start": bits_per_byte(start["val_loss"], bpt), "val_bpb_end": bits_per_byte(end["val_loss"], bpt),
+        "unigram_loss": unigram, "unigram_bpb": bits_per_byte(unigram, bpt),
+        "last_train_loss": result.losses[-1] if result.losses else None,
+        "checkpoint": result.checkpoint,
+    }
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    print(f"\nk3 demo: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['train_minutes']:.1f} min "
+          f"(whole demo {summary['total_minutes']:.1f} min)")
+    print(f"validation bits per byte: start {summary['val_bpb_start']:.3f} -> end {summary['val_bpb_end']:.3f}; "
+          f"unigram baseline {summary['unigram_bpb']:.3f} (train-split token frequencies, same val tokens)")
+    print(f"metrics     {out / 'metrics.jsonl'}")
+    print(f"plots       {plots['loss']}  {plots['experts']}  {plots['attnres']}")
+    print(f"samples     {out / 'samples.txt'}")
+    print(f"checkpoint  {result.checkpoint}")
+    print(f"summary     {out / 'summary.json'}")
+    print(f"next: k3 sample --ckpt {out / 'checkpoint'} --prompt 'def '   |   k3 eval --ckpt {out / 'checkpoint'}")
+    return 0
+
+
+# ---------------------------------------------------------------------- registration
+def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq: int, lr: float) -> None:
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default {batch})")
+    p.add_argument("--seq-len", type=int, default=seq, help=f"tokens per sequence (default {seq})")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="adamw, or muon = MuonClip (Muon on matrices + AdamW on the rest + QK-Clip)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and the data order (default 0)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="LR warmup steps (default 5%% of --steps)")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (default: torch's choice; the demo uses the cores the load average leaves free)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (default 0: at the end)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model on tokenized data (see `k3 tokenize`)",
+                       description="Train a K3 model. Writes OUT/metrics.jsonl, OUT/{loss,experts,attnres}.png "
+                                   "and OUT/checkpoint/step_XXXXXX/.")
+    add_config_args(p, default="mini")
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"directory written by `k3 tokenize` (default {DEFAULT_DATA})")
+    p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
+    _add_run_args(p, steps=1000, batch=8, seq=256, lr=3e-3)
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches per step (default 1)")
+    p.add_argument("--max-minutes", type=float, default=None, help="time budget: stop cleanly and save")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint's latest step")
+    p.add_argument("--overwrite", action="store_true", help="start over even if OUT already has a checkpoint")
+    p.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (0: at the end only)")
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute mixers in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--qat", action="store_true", help="quantization-aware training (reserved; not available yet)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint")
+    p.add_argument("--ckpt", default="runs/train/checkpoint",
+                   help="checkpoint dir or root (default runs/train/checkpoint)")
+    p.add_argument("--data", default=None, help="tokenized data dir (default: the one the checkpoint was trained on)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None, help="default: the training seq_len")
+    p.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint")
+    p.add_argument("--ckpt", default="runs/train/checkpoint", help="checkpoint dir or root")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint names)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("demo", help="tokenize the embedded corpus, train `mini` for a few minutes, report",
+                       description="The end-to-end demo: tokenizer + datasets from the Python standard library, "
+                                   "a time-bounded training run, plots, samples and bits per byte vs a unigram "
+                                   "baseline, all under --out.")
+    add_config_args(p, default="mini")
+    p.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget for the whole demo (default 10)")
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"where the tokenized data lives (default {DEFAULT_DATA})")
+    p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    _add_run_args(p, steps=None, batch=4, seq=128, lr=3e-3)
+    p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
+    p.add_argument("--sample-tokens", type=int, default=80, help="tokens per sample in samples.txt")
+    p.add_argument("--max-bytes", type=int, default=None, help="cap on corpus bytes per split (default: all)")
+    p.set_defaults(func=cmd_demo, warmup_steps=10, eval_batches=16)

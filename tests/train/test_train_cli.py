@@ -1,0 +1,90 @@
+import json
+import math
+
+import pytest
+
+from k3.cli import main
+from k3.train.metrics import read_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2", "-q"]
+
+
+def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(out), "--steps", "3",
+                 "--eval-every", "2", "--optimizer", "muon"]) == 0
+    for name in ("metrics.jsonl", "loss.png", "experts.png", "attnres.png"):
+        assert (out / name).is_file(), name
+    assert (out / "loss.png").read_bytes()[:8] == PNG
+    assert (out / "checkpoint" / "latest").read_text().strip() == "step_000003"
+    assert "checkpoint" in capsys.readouterr().out
+
+    # a second invocation with more steps continues the run
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(out), "--steps", "5",
+                 "--eval-every", "2", "--optimizer", "muon", "--resume"]) == 0
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5]
+    capsys.readouterr()
+
+    assert main(["eval", "--ckpt", str(out / "checkpoint"), "--batch-size", "2", "--max-batches", "3",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["step"] == 5 and res["seq_len"] == 16
+    assert res["perplexity"] == pytest.approx(math.exp(res["val_loss"]))
+    assert res["bits_per_byte"] == pytest.approx(res["val_loss"] / math.log(2) / res["bytes_per_token"])
+
+    assert main(["sample", "--ckpt", str(out / "checkpoint"), "--prompt", "def ", "--max-new-tokens", "6",
+                 "--seed", "1"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("def ")
+    main(["sample", "--ckpt", str(out / "checkpoint"), "--prompt", "def ", "--max-new-tokens", "6", "--seed", "1"])
+    assert capsys.readouterr().out == first  # seeded sampling is reproducible
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "vocab", "qat", "unwritable", "exists", "raw"])
+def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys):
+    data, out, extra = str(tiny_data_dir), str(tmp_path / "out"), []
+    if case == "missing":
+        data, want = str(tmp_path / "nope"), "does not exist"
+    elif case == "empty":
+        (tmp_path / "empty").mkdir()
+        data, want = str(tmp_path / "empty"), "is empty"
+    elif case == "raw":
+        (tmp_path / "raw").mkdir()
+        (tmp_path / "raw" / "a.txt").write_text("hello")
+        data, want = str(tmp_path / "raw"), "k3 tokenize --data"
+    elif case == "vocab":
+        extra, want = ["--set", "vocab_size=1024"], "vocabulary of 512"
+    elif case == "qat":
+        extra, want = ["--qat"], "not available yet"
+    elif case == "unwritable":
+        (tmp_path / "f").write_text("")
+        out, want = str(tmp_path / "f" / "out"), "not writable"
+    else:
+        assert main(["train", *SMALL, "--data", data, "--out", out, "--steps", "1"]) == 0
+        capsys.readouterr()
+        want = "--resume"
+    rc = main(["train", *SMALL, "--data", data, "--out", out, "--steps", "1", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and want in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    if case not in ("exists", "unwritable"):
+        assert not (tmp_path / "out" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_demo_small(tiny_data_dir, tmp_path, capsys):
+    out = tmp_path / "demo"
+    rc = main(["demo", "--preset", "tiny", "--data", str(tiny_data_dir), "--max-bytes", "300000", "--out", str(out),
+               "--minutes", "0.15", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2",
+               "--sample-tokens", "4"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "bits per byte" in text and "unigram" in text
+    for name in ("metrics.jsonl", "loss.png", "experts.png", "attnres.png", "samples.txt", "summary.json"):
+        assert (out / name).is_file(), name
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] > 1 and s["val_bpb_end"] < s["val_bpb_start"]
+    assert 0 < s["unigram_bpb"] < s["val_bpb_start"]  # an untrained model is worse than unigram
+    assert s["checkpoint"].endswith(f"step_{s['steps']:06d}")
+    assert s["total_minutes"] < 0.15 + 0.2

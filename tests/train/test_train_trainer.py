@@ -1,0 +1,136 @@
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from k3.config import get_config
+from k3.train import checkpoint as ckpt
+from k3.train.metrics import read_metrics
+from k3.train.trainer import TrainConfig, Trainer
+
+TINY = dict(steps=6, batch_size=2, seq_len=16, eval_batches=2, warmup_steps=1)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_resume_is_bitwise_exact(tmp_path, fake_data, opt):
+    """2N steps straight == N steps, a crash, and a resume for the rest (losses and weights, bitwise)."""
+    cfg, data = get_config("tiny"), fake_data()
+    tc = dict(TINY, optimizer=opt, ckpt_every=3, eval_every=3)
+    a = Trainer(cfg, TrainConfig(**tc), data, data, tmp_path / "a")
+    ra = a.fit()
+    assert len(ra.losses) == 6
+
+    def crash_at_4(rec):
+        if rec["step"] == 4:  # after the step-3 checkpoint, before the next one
+            raise Stop
+
+    b = Trainer(cfg, TrainConfig(**tc), data, data, tmp_path / "b")
+    with pytest.raises(Stop):
+        b.fit(on_step=crash_at_4)
+    first = list(read_metrics(tmp_path / "b" / "metrics.jsonl"))
+    b2 = Trainer(cfg, TrainConfig(**tc), data, data, tmp_path / "b")  # a new process would start like this
+    rb = b2.fit(resume=True)
+    losses_b = [r["loss"] for r in first if r["kind"] == "train"][:3] + rb.losses
+    assert losses_b == ra.losses  # exact float equality, not approx
+    for (n, x), (_, y) in zip(a.model.state_dict().items(), b2.model.state_dict().items()):
+        assert torch.equal(x, y), n
+    assert [v["val_loss"] for v in rb.val] == [v["val_loss"] for v in ra.val[1:]]
+    steps = [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the step-4 record of the crashed run was dropped on resume
+    # the router balancing biases moved and travel with the checkpoint
+    bias = b2.model.moe_layers()[0].router.bias
+    assert bias.abs().sum() > 0
+    latest = ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint")
+    m = json.loads((latest / "manifest.json").read_text())
+    assert m["step"] == 6 and m["data"]["next_step"] == 6
+    saved = load_file(str(latest / "model.safetensors"))
+    assert torch.equal(saved["layers.1.ffn.router.bias"], b2.model.layers[1].ffn.router.bias)
+
+
+def test_resume_refuses_a_different_data_order(tmp_path, fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    Trainer(cfg, TrainConfig(**dict(TINY, steps=2)), data, None, tmp_path).fit()
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, seq_len=8)), data, None, tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="seq_len"):
+        t.fit(resume=True)
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4)), data, None, tmp_path)
+    with pytest.raises(ValueError, match="--resume"):
+        t.fit()  # a fresh run would silently mix with the old checkpoint
+
+
+def test_metrics_fields(tmp_path, fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, optimizer="muon", eval_every=2)), data, data, tmp_path,
+                 bytes_per_token=2.0)
+    tr.fit()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    train = [r for r in recs if r["kind"] == "train"]
+    val = [r for r in recs if r["kind"] == "val"]
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in val] == [2, 3]
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    for r in train:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "max_logit"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), key
+        assert 0 < r["mfu"] < 1
+        assert len(r["expert_load_max_mean"]) == n_moe and all(x >= 1.0 for x in r["expert_load_max_mean"])
+        assert all(len(s) == cfg.n_experts and abs(sum(s) - 1) < 1e-3 for s in r["expert_load"])
+        assert len(r["attnres_entropy"]) == 2 * cfg.n_layers + 1
+        for j, e in enumerate(r["attnres_entropy"]):
+            assert -1e-6 <= e <= math.log(tr.model.attnres.n_sources(j)) + 1e-4
+    assert train[0]["tokens"] == 2 * 16 and train[2]["tokens"] == 3 * 2 * 16
+    assert val[-1]["val_bpb"] == pytest.approx(val[-1]["val_loss"] / math.log(2) / 2.0)
+    assert train[-1]["lr"] < train[0]["lr"] or TINY["warmup_steps"] == 0  # WSD decays at the end
+
+
+def test_activation_checkpointing_matches(fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    runs = []
+    for ac in (False, True):
+        tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, activation_checkpointing=ac, measure_mfu=False)), data)
+        runs.append((tr.fit().losses, [m.router.bias.clone() for m in tr.model.moe_layers()]))
+    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    for b0, b1 in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(b0, b1)  # the recompute did not double-count router statistics
+
+
+def test_time_budget_stops_and_saves(tmp_path, fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.01)), data, data, tmp_path)
+    res = tr.fit()
+    assert res.stopped_early and 0 < res.steps_done < 10_000
+    assert res.elapsed_s < 0.01 * 60 + 5
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == f"step_{res.steps_done:06d}"
+    assert res.val  # evaluated before stopping
+
+
+def test_fit_steps_to_budget_plans_the_decay(fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.05, fit_steps_to_budget=True,
+                                         measure_mfu=False)), data)
+    res = tr.fit()
+    assert not res.stopped_early and res.steps_done == tr.tc.steps < 10_000  # finished the re-planned run
+    assert tr.schedule.factor(res.steps_done - 1) == pytest.approx(tr.tc.min_lr_ratio)
+
+
+def test_bad_inputs_fail_before_training(tmp_path, fake_data):
+    cfg = get_config("tiny")
+    with pytest.raises(ValueError, match="vocabulary of 1024 .* vocab_size = 512"):
+        Trainer(cfg, TrainConfig(**TINY), fake_data(vocab_size=1024), None, tmp_path / "x")
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        Trainer(cfg, TrainConfig(**dict(TINY, batch_size=8, seq_len=64)), fake_data(n_tokens=300), None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not writable"):
+        Trainer(cfg, TrainConfig(**TINY), fake_data(), None, tmp_path / "file" / "out")
+    with pytest.raises(ValueError, match="max_context"):
+        Trainer(cfg.replace(max_context=8), TrainConfig(**TINY), fake_data(), None)
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(optimizer="sgd").validate()
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0).validate()
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
