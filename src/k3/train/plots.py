@@ -50,7 +50,8 @@ def plot_loss(records: list[dict], path: str | os.PathLike, baseline: float | No
         ax.plot(steps, loss, color="tab:blue", alpha=0.3, lw=0.8, label="train")
         ax.plot(steps, _ema(loss), color="tab:blue", lw=1.5, label="train (EMA)")
     if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="tab:orange", label="validation")
+        style = "o-" if len(val) > 2 else "o"  # two points (start, end) joined would suggest a curve
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], style, color="tab:orange", label="validation")
     if baseline is not None:
         ax.axhline(baseline, color="gray", ls="--", lw=1, label=baseline_label)
     ax.set_xlabel("step")
