@@ -114,8 +114,13 @@ def test_fit_steps_to_budget_plans_the_decay(fake_data):
     tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.05, fit_steps_to_budget=True,
                                          measure_mfu=False)), data)
     res = tr.fit()
-    assert not res.stopped_early and res.steps_done == tr.tc.steps < 10_000  # finished the re-planned run
-    assert tr.schedule.factor(res.steps_done - 1) == pytest.approx(tr.tc.min_lr_ratio)
+    assert tr.tc.steps < 10_000 and tr.schedule.total_steps == tr.tc.steps  # the run was re-planned
+    # the re-planned schedule ends its decay at the last planned step
+    assert tr.schedule.factor(tr.tc.steps - 1) == pytest.approx(tr.tc.min_lr_ratio)
+    # on a loaded machine step times drift after the plan, so the time guard may still stop the run;
+    # otherwise it must have finished exactly the planned steps
+    if not res.stopped_early:
+        assert res.steps_done == tr.tc.steps
 
 
 def test_bad_inputs_fail_before_training(tmp_path, fake_data):
