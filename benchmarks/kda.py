@@ -7,6 +7,8 @@ matmul GFLOP/s of our forward (flops counted by torch's FlopCounterMode) against
 matmul, and the max relative error of our output against fla's recurrent reference.
 
     python benchmarks/kda.py --json          # prints one JSON object, writes runs/bench/kda.json
+    python benchmarks/kda.py --threads 1     # steadier on a shared machine: with 2 threads every small op
+                                             # of fla's references can stall on a busy second core
 """
 from __future__ import annotations
 
