@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3.fileio import atomic_write_bytes
+
 FORMAT = "k3-agentenv-task/1"
 FAMILIES = ("pyfix", "sqlite", "files")
 CHECK_KINDS = {
@@ -304,19 +306,19 @@ def write_task(out_dir: str | os.PathLike, *, id: str, family: str, title: str, 
         check_relpath(rel, f"task {id}: workspace file")
         data, mode = (spec if isinstance(spec, tuple) else (spec, 0o644))
         data = data.encode() if isinstance(data, str) else data
-        _atomic_write(root / "workspace" / rel, data)
+        atomic_write_bytes(root / "workspace" / rel, data)
         files[rel] = {"sha256": sha256_bytes(data), "size": len(data), "mode": mode}
     hidden: dict[str, dict] = {}
     gen_spec = {}
     for rel, script in sorted((generate or {}).items()):
         setup_rel = f"setup/{posixpath.basename(rel).rsplit('.', 1)[0]}.sql"
-        _atomic_write(root / setup_rel, script.encode())
+        atomic_write_bytes(root / setup_rel, script.encode())
         hidden[setup_rel] = {"sha256": sha256_bytes(script.encode())}
         gen_spec[rel] = {"sqlite_script": setup_rel}
     for rel, obj in (("hidden/checks.json", {"checks": checks}),
                      ("hidden/solution.json", {"actions": solution})):
         data = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode() + b"\n"
-        _atomic_write(root / rel, data)
+        atomic_write_bytes(root / rel, data)
         hidden[rel] = {"sha256": sha256_bytes(data)}
     manifest = {
         "format": FORMAT, "id": id, "family": family, "title": title, "instruction": instruction,
@@ -326,28 +328,7 @@ def write_task(out_dir: str | os.PathLike, *, id: str, family: str, title: str, 
         "hidden": hidden, "limits": limits or {"max_steps": 30},
     }
     manifest["checksum"] = compute_checksum(manifest)
-    _atomic_write(root / "task.json",
+    atomic_write_bytes(root / "task.json",
                   json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode() + b"\n")
     return root
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

@@ -31,11 +31,10 @@ from k3.data.tokenizer import (
     DEFAULT_VOCAB_SIZE,
     TOKENIZER_FILE,
     Tokenizer,
-    atomic_open,
-    atomic_write_text,
     load_tokenizer,
     train_tokenizer,
 )
+from k3.fileio import atomic_open, atomic_write_text
 
 if TYPE_CHECKING:
     import torch

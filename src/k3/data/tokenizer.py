@@ -9,13 +9,11 @@ train split, in sorted file order), which keeps BPE training to seconds on two C
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import tempfile
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -27,41 +25,13 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|think|>", "<|/think|>",
     "<|effort:low|>", "<|effort:medium|>", "<|effort:high|>",
 )
+from k3.fileio import atomic_write_text  # noqa: E402
+
 N_BYTES = 256
 MIN_VOCAB_SIZE = N_BYTES + len(SPECIAL_TOKENS)
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TOKENIZER_MAX_BYTES = 20_000_000
 TOKENIZER_FILE = "tokenizer.json"
-
-
-# ---------------------------------------------------------------------- atomic files
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-@contextlib.contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Write to a temporary file beside `path`, fsync, then `os.replace` it into place; on any error the
-    temporary file is removed and `path` is left as it was."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    with atomic_open(path, "w") as f:
-        f.write(text)
 
 
 # ---------------------------------------------------------------------- the tokenizer

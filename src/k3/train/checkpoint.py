@@ -32,6 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from k3.fileio import atomic_write_text
+from k3.fileio import fsync_dir as _fsync_dir
+
 log = logging.getLogger(__name__)
 
 FORMAT = "k3-checkpoint/1"
@@ -42,40 +45,6 @@ _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupted or does not match what is loading it."""
-
-
-# ---------------------------------------------------------------------- atomic file helpers
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the new one, never a partial one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 def sha256_file(path: Path) -> str:

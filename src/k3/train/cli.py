@@ -225,7 +225,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from k3.data import prepare_data
     from k3.model.accounting import count_params
-    from k3.train.checkpoint import atomic_write_text
+    from k3.fileio import atomic_write_text
     from k3.train.metrics import bits_per_byte, unigram_loss
     from k3.train.plots import plot_all
     from k3.train.trainer import TrainConfig, Trainer, _check_writable, eval_batches

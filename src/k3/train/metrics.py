@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from k3.train.checkpoint import atomic_write_text
+from k3.fileio import atomic_write_text
 
 log = logging.getLogger(__name__)
 

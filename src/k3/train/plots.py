@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from k3.fileio import atomic_open  # noqa: E402
 from k3.train.metrics import read_metrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,11 @@ log = logging.getLogger(__name__)
 
 def _save(fig, path: Path) -> Path:
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, dpi=110, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 
