@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from torch import nn
 
 from k3.config import get_config
 from k3.model.moe import MoE
+from k3.fileio import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "balancing.json"
@@ -125,19 +124,6 @@ def train(method: str, cfg, batches: list, steps: int, n_layers: int, batch: int
     }
 
 
-def write_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -182,7 +168,7 @@ def main(argv=None) -> dict:
                     "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": sys.version.split()[0]},
     }
-    write_atomic(OUT, out)
+    atomic_write_json(OUT, out)
     if args.json:
         print(json.dumps(out))
     else:

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from k3.fileio import atomic_write_json
 from k3.ops.kda import chunk_kda
 
 OUT = Path(__file__).resolve().parent.parent / "runs" / "bench" / "kda.json"
@@ -162,11 +162,7 @@ def main() -> dict:
         "fraction_of_matmul_peak": gflops / peak,
         "max_rel_err_vs_fla_naive_recurrent": max_rel_err,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=OUT.parent, prefix=".kda.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, OUT)
+    atomic_write_json(OUT, result)
     if args.json:
         print(json.dumps(result))
     else:

@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 
 from k3.config import get_config
 from k3.model.moe import MoE, _grouped_backend
+from k3.fileio import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "moe.json"
@@ -152,19 +152,6 @@ def machine() -> dict:
     }
 
 
-def write_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -202,7 +189,7 @@ def main(argv=None) -> dict:
         **res,
         "machine": info,
     }
-    write_atomic(OUT, result)
+    atomic_write_json(OUT, result)
     if args.json:
         print(json.dumps(result))
     else:

@@ -16,13 +16,13 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from k3.ops.mx import dequantize_mx, quantize_mx
+from k3.fileio import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "mx.json"
@@ -126,20 +126,6 @@ def machine() -> dict:
     }
 
 
-def write_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -176,7 +162,7 @@ def main(argv=None) -> dict:
         "machine": machine_before,
         "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    write_atomic(OUT, result)
+    atomic_write_json(OUT, result)
     if args.json:
         print(json.dumps(result))
     else:

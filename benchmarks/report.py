@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
+from k3.fileio import atomic_write_text
 
 # benchmark -> [(key path, label, target as text or "")]; the numbers all come from the JSON files.
 HEADLINES = {
@@ -104,10 +103,7 @@ def main() -> int:
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     new = f"{head}{begin}\n{render(args.bench_dir)}\n{end}{tail}"
-    fd, tmp = tempfile.mkstemp(dir=args.doc.parent, prefix=".benchmarks.")
-    with os.fdopen(fd, "w") as f:
-        f.write(new)
-    os.replace(tmp, args.doc)
+    atomic_write_text(args.doc, new)
     print(f"updated {args.doc}")
     return 0
 

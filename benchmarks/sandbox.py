@@ -22,7 +22,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from k3.agentenv.policies import make_policy
 from k3.agentenv.rollout import EpisodeConfig, run_episode, run_rollouts
 from k3.agentenv.sandbox import Session, _popen_kwargs, bwrap_argv, check_sandbox, default_config
 from k3.agentenv.tasks import load_task, load_tasks, tasks_root
+from k3.fileio import atomic_write_text
 
 TARGET_MS = 50.0
 
@@ -128,17 +128,6 @@ def bench(repeats: int, episodes: int) -> dict:
     }
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -147,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench/sandbox.json")
     args = ap.parse_args(argv)
     res = bench(args.repeats, args.episodes)
-    _atomic_write(Path(args.out), json.dumps(res, indent=1) + "\n")
+    atomic_write_text(Path(args.out), json.dumps(res, indent=1) + "\n")
     if args.json:
         print(json.dumps(res, indent=1))
     else:

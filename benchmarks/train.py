@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from k3.config import get_config
 from k3.train.metrics import measured_peak_flops
 from k3.train.profiling import ComponentTimer
 from k3.train.trainer import TrainConfig, Trainer
+from k3.fileio import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "train.json"
@@ -59,20 +59,6 @@ def machine() -> dict:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-
-
-def write_atomic(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def main(argv=None) -> dict:
@@ -168,7 +154,7 @@ def main(argv=None) -> dict:
         "machine": machine_before,
         "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    write_atomic(Path(args.out), result)
+    atomic_write_json(Path(args.out), result)
     if args.json:
         print(json.dumps(result))
     else:
