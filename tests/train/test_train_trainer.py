@@ -139,3 +139,30 @@ def test_bad_inputs_fail_before_training(tmp_path, fake_data):
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0).validate()
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+
+
+def test_activation_checkpointing_counts_router_tokens_once():
+    # Doubling every count would leave sign-based and quantile updates unchanged, so count directly.
+    from k3.model.transformer import K3Model
+    from k3.train.trainer import apply_activation_checkpointing
+
+    cfg = get_config("tiny")
+    model = K3Model(cfg).train()
+    apply_activation_checkpointing(model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(ids).float().pow(2).mean().backward()
+    for m in model.moe_layers():
+        assert int(m.router._load_acc.sum()) == 2 * 16 * cfg.n_active_experts
+
+
+def test_balancing_stats_paused_restores_switch():
+    from k3.model.moe import balancing_stats_paused
+    from k3.model.transformer import K3Model
+
+    model = K3Model(get_config("tiny")).train()
+    routers = [m.router for m in model.moe_layers()]
+    with balancing_stats_paused(model):
+        assert not any(r.collect_stats for r in routers)
+        model(torch.randint(0, 512, (1, 8)))
+    assert all(r.collect_stats for r in routers)
+    assert all(int(r._load_acc.sum()) == 0 for r in routers)

@@ -20,6 +20,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,9 @@ class Router(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
         self.quantile_bins = 2048  # histogram resolution for the distributed quantile (see _column_quantile)
+        # Public switch: False makes training forwards route without accumulating balancing statistics
+        # (the recompute pass of activation checkpointing must not count its tokens twice).
+        self.collect_stats = True
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=config.init_std)
 
@@ -93,7 +98,7 @@ class Router(nn.Module):
         if self.balancing == "aux_loss" and self.training:
             seqs = x.shape[0] if x.dim() == 3 else 1
             self.aux_loss = self._sequence_balance_loss(s.view(seqs, -1, self.n_experts), experts.view(seqs, -1, self.top_k))
-        if self.training:  # evaluation forwards do not steer the balance
+        if self.training and self.collect_stats:  # evaluation forwards do not steer the balance
             self._accumulate(biased, load)
         return weights, experts
 
@@ -134,6 +139,20 @@ class Router(nn.Module):
     def _margin_bound(self) -> float:
         # sigmoid scores lie in (0, 1), so every biased score lies in [min b, 1 + max b] and |margin| <= R.
         return 1.0 + float(self.bias.max() - self.bias.min())
+
+
+@contextlib.contextmanager
+def balancing_stats_paused(module: nn.Module):
+    """Inside the block, every Router under `module` routes without accumulating balancing statistics."""
+    routers = [m for m in module.modules() if isinstance(m, Router)]
+    before = [r.collect_stats for r in routers]
+    for r in routers:
+        r.collect_stats = False
+    try:
+        yield
+    finally:
+        for r, b in zip(routers, before):
+            r.collect_stats = b
 
 
 def _dist_world() -> int:

@@ -150,19 +150,20 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
     Applied from outside by wrapping each module's `forward` on the instance, so parameter names (and
     checkpoints) are unchanged. Only when grad is on and no inference cache is passed. The recompute in
-    backward must not count tokens twice: routers accumulate balancing statistics in forward
-    (`Router._accumulate`), so that method is silenced while a module is being recomputed.
+    backward must not count tokens twice: routers accumulate balancing statistics in forward, so the
+    recompute runs inside `balancing_stats_paused` (the routers' public `collect_stats` switch).
     """
     from torch.utils.checkpoint import checkpoint
+
+    from k3.model.moe import balancing_stats_paused
 
     for block in model.layers:
         for mod in (block.mixer, block.ffn):
             if getattr(mod, "_k3_checkpointed", False):
                 continue
             inner = mod.forward
-            stats = [m for m in mod.modules() if callable(getattr(m, "_accumulate", None))]
 
-            def fwd(x, *args, _inner=inner, _stats=stats, **kwargs):
+            def fwd(x, *args, _inner=inner, _mod=mod, **kwargs):
                 if not (torch.is_grad_enabled() and kwargs.get("cache") is None):
                     return _inner(x, *args, **kwargs)
                 calls = [0]
@@ -171,24 +172,13 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
                     calls[0] += 1
                     if calls[0] == 1:
                         return _inner(*a, **k)
-                    with _silenced(_stats, "_accumulate"):  # the recompute during backward
+                    with balancing_stats_paused(_mod):  # the recompute during backward
                         return _inner(*a, **k)
 
                 return checkpoint(run, x, *args, use_reentrant=False, **kwargs)
 
             mod.forward = fwd
             mod._k3_checkpointed = True
-
-
-@contextlib.contextmanager
-def _silenced(modules, method: str):
-    for m in modules:
-        setattr(m, method, lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        for m in modules:
-            delattr(m, method)  # back to the class's method
 
 
 def _check_writable(path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Inference and serving: generation engine, OpenAI-compatible server, HF transformers integration."""
