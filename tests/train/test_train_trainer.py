@@ -166,3 +166,18 @@ def test_balancing_stats_paused_restores_switch():
         model(torch.randint(0, 512, (1, 8)))
     assert all(r.collect_stats for r in routers)
     assert all(int(r._load_acc.sum()) == 0 for r in routers)
+
+
+def test_compile_matches_eager(fake_data):
+    # aot_eager runs dynamo's trace and AOT autograd without inductor's C++ code generation (minutes on CPU)
+    cfg, data = get_config("tiny"), fake_data()
+    runs = []
+    for backend in ("", "aot_eager"):
+        tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=2, compile=backend, measure_mfu=False)), data)
+        runs.append(tr.fit().losses)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_backend_unknown():
+    with pytest.raises(ValueError, match="torch.compile backend"):
+        TrainConfig(**dict(TINY, compile="no_such_backend")).validate()

@@ -335,7 +335,8 @@ def register(sub) -> None:
     p.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (0: at the end only)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute mixers in backward")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (off by default)")
+    p.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
+                   help="torch.compile the model (default backend inductor; off unless given)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--qat", action="store_true", help="quantization-aware training (reserved; not available yet)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

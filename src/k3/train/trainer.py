@@ -10,7 +10,7 @@ Per optimizer step:
   for each micro-batch: loss = CE(model(x), y) + model.aux_loss(); (loss / accum).backward()
   grad-norm clipping -> optimizer.step() -> QK-Clip of MLA heads (MuonClip) -> model.update_balancing()
 CPU runs in fp32; CUDA uses bf16 autocast. Optional: activation checkpointing (recompute each token mixer
-and channel mixer in backward), torch.compile (off by default; not measured to help on CPU).
+and channel mixer in backward), torch.compile (off by default; on CPU it did not help, docs/training.md).
 """
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ class TrainConfig:
     keep_last: int = 3
     seed: int = 0
     activation_checkpointing: bool = False
-    compile: bool = False
+    # torch.compile backend: False/"" = eager, True = "inductor"; "aot_eager" traces without code generation
+    # (what the CPU test uses). On CPU inductor was not measured to help (docs/training.md).
+    compile: bool | str = False
     device: str = "auto"  # auto | cpu | cuda
     record_attnres: bool = True
     measure_mfu: bool = True
@@ -95,6 +97,9 @@ class TrainConfig:
             raise ValueError(f"train: device = {self.device!r}; choose auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("train: device = cuda but CUDA is not available")
+        if self.compile not in (False, True, "") and self.compile not in _compile_backends():
+            raise ValueError(f"train: compile = {self.compile!r} is not a torch.compile backend; "
+                             f"choose one of {sorted(_compile_backends())}")
         if self.fit_steps_to_budget and self.max_minutes is None:
             raise ValueError("train: fit_steps_to_budget needs max_minutes")
         self.schedule()
@@ -115,6 +120,12 @@ class TrainConfig:
 
 # Fields that must match for a resumed run to see the same batches and updates.
 RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+
+
+def _compile_backends() -> set[str]:
+    import torch._dynamo
+
+    return set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"}
 
 
 @dataclass
@@ -333,7 +344,8 @@ class Trainer:
         self.schedule = self.tc.schedule()
         self.qk_clip = QKClip(self.model, self.tc.qk_clip_tau) \
             if self.tc.optimizer == "muon" and self.tc.qk_clip_tau > 0 else None
-        self.forward = torch.compile(self.model) if self.tc.compile else self.model
+        backend = "inductor" if self.tc.compile is True else self.tc.compile
+        self.forward = torch.compile(self.model, backend=backend) if backend else self.model
         self.step = 0
         self.tokens = 0
         self.flops_per_token = flops_per_token(self.model, self.tc.seq_len)["total"]
