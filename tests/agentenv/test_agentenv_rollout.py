@@ -44,3 +44,23 @@ def test_cli(sandbox, tmp_path, capsys):
     assert main(["agentenv", "run", "--tasks", "pyfix-median", "--episodes", "0"]) == 2
     assert main(["agentenv", "run", "--policy", "http"]) == 2
     assert main(["agentenv", "redteam", "--list"]) == 0
+
+
+def test_ray_rollouts_match_process_pool(sandbox, tmp_path):
+    # a real local Ray instance (2 CPUs); the same seeds give the same variants and verified rewards
+    tasks = load_tasks("pyfix-median,files-organize")
+    cfg = EpisodeConfig(sandbox=sandbox)
+    ray_recs = run_rollouts(tasks, {"kind": "reference"}, 3, workers=2, seed=5, config=cfg, backend="ray",
+                            out=tmp_path / "ray.jsonl")
+    local = run_rollouts(tasks, {"kind": "reference"}, 3, workers=1, seed=5, config=cfg)
+    assert [r["reward"] for r in ray_recs] == [1.0, 1.0, 1.0]
+    assert [(r["task_id"], r["seed"], r["variant"]) for r in ray_recs] == \
+        [(r["task_id"], r["seed"], r["variant"]) for r in local]
+    assert len((tmp_path / "ray.jsonl").read_text().splitlines()) == 3
+
+
+def test_unknown_backend():
+    import pytest
+
+    with pytest.raises(ValueError, match="backend 'dask' is unknown"):
+        run_rollouts(load_tasks("pyfix-median"), {"kind": "noop"}, 1, backend="dask")

@@ -33,7 +33,10 @@ def register(subparsers) -> None:
                    help="environment variable holding the API key (http policy)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--episodes", type=int, default=None, help="episodes in all (default: one per task)")
-    r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--workers", type=int, default=2, help="parallel episodes (local processes or Ray CPUs)")
+    r.add_argument("--backend", choices=["process", "ray"], default="process",
+                   help="local process pool, or Ray tasks (a local instance, or --ray-address)")
+    r.add_argument("--ray-address", default=None, help="address of a running Ray cluster (backend ray)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dialects", default=None, help="comma-separated subset of kimi,claude,codex,react")
     r.add_argument("--no-augment", action="store_true", help="canonical tool names only")
@@ -108,7 +111,8 @@ def _run(args) -> int:
     check_sandbox()
     cfg = EpisodeConfig(dialects=dialects, augment=not args.no_augment, max_steps=args.max_steps)
     records = run_rollouts(tasks, spec, len(tasks) if args.episodes is None else args.episodes, workers=args.workers,
-                           seed=args.seed, out=args.out, config=cfg, progress=True)
+                           seed=args.seed, out=args.out, config=cfg, progress=True, backend=args.backend,
+                           ray_address=args.ray_address)
     summary = summarize(records)
     if args.json:
         print(json.dumps(summary, indent=1))

@@ -2,8 +2,9 @@
 
 An episode ends when the policy calls finish (then it is verified), runs out of steps, fails to
 answer, or breaks the sandbox; only a finished episode is verified, so a broken episode never
-counts as a success. Rollouts run episodes in a local process pool (Ray would slot in at
-`run_rollouts`; not needed at this scale) and write one JSON line per episode.
+counts as a success. Rollouts run episodes in a local process pool, or as Ray tasks (`backend="ray"`:
+a local Ray instance, or a cluster by address, for more than one machine), and write one JSON line per
+episode.
 """
 from __future__ import annotations
 
@@ -156,10 +157,20 @@ def _worker(job: tuple) -> dict:
     return run_episode(task, policy, seed, cfg)
 
 
+BACKENDS = ("process", "ray")
+
+
 def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers: int = 2,
                  seed: int = 0, out: str | os.PathLike | None = None,
-                 config: EpisodeConfig | None = None, progress: bool = False) -> list[dict]:
-    """`episodes` episodes round-robin over `tasks` (episode i: task i mod n, seed seed+i)."""
+                 config: EpisodeConfig | None = None, progress: bool = False,
+                 backend: str = "process", ray_address: str | None = None) -> list[dict]:
+    """`episodes` episodes round-robin over `tasks` (episode i: task i mod n, seed seed+i).
+
+    backend 'process': a local pool of `workers` processes (1 = in this process); 'ray': one Ray task per
+    episode on the cluster at `ray_address`, or on a local instance with `workers` CPUs when it is None.
+    Every worker needs bubblewrap and the task directory at the same path (a shared filesystem)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is unknown; use one of {BACKENDS}")
     if episodes <= 0:
         raise ValueError(f"--episodes must be positive, got {episodes}")
     if not tasks:
@@ -174,25 +185,31 @@ def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers
         from tqdm import tqdm
         bar = tqdm(total=episodes, desc="episodes", unit="ep")
     writer = _JsonlWriter(out) if out else None
+
+    def done(i: int, result) -> None:
+        if isinstance(result, BaseException):  # a crashed worker is a broken episode, not a success
+            t = tasks[i % len(tasks)]
+            result = {"task_id": t.id, "family": t.family, "seed": seed + i, "status": "worker_error",
+                      "error": f"{type(result).__name__}: {result}", "reward": 0.0, "dialect": None, "steps": 0}
+        records[i] = result
+        _emit(writer, bar, result)
+
     try:
-        if workers == 1:
+        if backend == "ray":
+            _run_ray(jobs, done, workers, ray_address)
+        elif workers == 1:
             for i, job in enumerate(jobs):
-                records[i] = _worker(job)
-                _emit(writer, bar, records[i])
+                done(i, _worker(job))
         else:
             ctx = mp.get_context("spawn")  # no fork of a process that holds threads and pipes
             with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futs = {pool.submit(_worker, job): i for i, job in enumerate(jobs)}
                 for fut in cf.as_completed(futs):
-                    i = futs[fut]
                     try:
-                        records[i] = fut.result()
-                    except Exception as e:  # a crashed worker is a broken episode, not a success
-                        t = tasks[i % len(tasks)]
-                        records[i] = {"task_id": t.id, "family": t.family, "seed": seed + i,
-                                      "status": "worker_error", "error": f"{type(e).__name__}: {e}",
-                                      "reward": 0.0, "dialect": None, "steps": 0}
-                    _emit(writer, bar, records[i])
+                        result = fut.result()
+                    except Exception as e:
+                        result = e
+                    done(futs[fut], result)
         if writer:
             writer.commit()
     finally:
@@ -201,6 +218,36 @@ def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers
         if writer:
             writer.abort()
     return [r for r in records if r is not None]
+
+
+def _run_ray(jobs: list[tuple], done, workers: int, address: str | None) -> None:
+    """One Ray task per episode; results are handed to `done(i, record_or_exception)` as they finish."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError("backend 'ray' needs the ray package: pip install 'k3[agent]'") from e
+    started = not ray.is_initialized()
+    if started:
+        kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=workers, **kwargs)
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=0)(_worker)  # a retried episode would be a second sample
+        index = {remote.remote(job): i for i, job in enumerate(jobs)}
+        pending = list(index)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    result = ray.get(ref)
+                except Exception as e:  # RayTaskError, a lost worker, ...
+                    result = e
+                done(index[ref], result)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def _emit(writer, bar, rec):
