@@ -57,7 +57,7 @@ def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys
     elif case == "vocab":
         extra, want = ["--set", "vocab_size=1024"], "vocabulary of 512"
     elif case == "qat":
-        extra, want = ["--qat"], "not available yet"
+        extra, want = ["--qat", "bogus=1"], "KEY=FORMAT"
     elif case == "unwritable":
         (tmp_path / "f").write_text("")
         out, want = str(tmp_path / "f" / "out"), "not writable"

@@ -2,6 +2,12 @@
 
 `HybridCache.slots[i]` is layer i's slot, passed to that layer as `forward(x, cache=slot)`. Layers fill
 and advance their own slot; prefill (many tokens) and decode (one token) use the same call.
+
+Rows of different lengths share one batched cache for continuous batching: `HybridCache.merge` stacks
+caches row-wise, `select` keeps some rows and `split` returns batch-1 caches. KDA states stack as they
+are (constant size); MLA latents are packed to the front of each row and padded to the longest row, with
+`MLACache.key_mask` marking the real keys. Padding never moves positions that matter: MLA is NoPE, so a
+key's column says nothing about where it sits in the sequence.
 """
 from __future__ import annotations
 
@@ -21,23 +27,99 @@ class KDACache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.state) if t is not None)
 
+    @property
+    def empty(self) -> bool:
+        return self.conv_state is None and self.state is None
+
+    @staticmethod
+    def merge(slots: list["KDACache"]) -> "KDACache":
+        if all(s.empty for s in slots):
+            return KDACache()
+        _check_all_used(slots)
+        return KDACache(torch.cat([s.conv_state for s in slots]), torch.cat([s.state for s in slots]))
+
+    def select(self, rows: torch.Tensor) -> "KDACache":
+        if self.empty:
+            return KDACache()
+        return KDACache(self.conv_state[rows], self.state[rows])
+
 
 @dataclass
 class MLACache:
-    """latent: [B, T, kv_lora_rank] compressed KV; NoPE means no separate rotary key is kept."""
+    """latent: [B, T, kv_lora_rank] compressed KV; NoPE means no separate rotary key is kept.
+    key_mask: [B, T] bool, True = a real key, False = padding; None = every key is real."""
 
     latent: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
 
+    @property
+    def empty(self) -> bool:
+        return self.latent is None
+
     def append(self, c_kv: torch.Tensor) -> torch.Tensor:
+        if self.key_mask is not None:
+            self.key_mask = torch.cat([self.key_mask, self.key_mask.new_ones(c_kv.shape[:2])], dim=1)
         self.latent = c_kv if self.latent is None else torch.cat([self.latent, c_kv], dim=1)
         return self.latent
 
     def nbytes(self) -> int:
         return 0 if self.latent is None else self.latent.numel() * self.latent.element_size()
+
+    def row_lengths(self) -> torch.Tensor:
+        """[B] real keys per row (on the CPU)."""
+        if self.latent is None:
+            raise ValueError("an empty MLACache has no rows")
+        if self.key_mask is None:
+            return torch.full((self.latent.shape[0],), self.latent.shape[1], dtype=torch.long)
+        return self.key_mask.sum(1).cpu()
+
+    def packed(self, width: int) -> "MLACache":
+        """The same keys, each row's real keys first (in order), cut or zero-padded to `width` columns."""
+        latent, mask = self.latent, self.key_mask
+        B, S, C = latent.shape
+        lengths = self.row_lengths()
+        if int(lengths.max()) > width:
+            raise ValueError(f"cannot pack a row of {int(lengths.max())} keys into {width} columns")
+        if mask is not None:
+            order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # real keys first
+            latent = latent.gather(1, order[..., None].expand(B, S, C))
+        latent = latent[:, :width]
+        if S < width:
+            latent = torch.cat([latent, latent.new_zeros(B, width - S, C)], dim=1)
+        mask = torch.arange(width)[None] < lengths[:, None]
+        if bool(mask.all()):
+            return MLACache(latent)
+        mask = mask.to(latent.device)
+        return MLACache(latent * mask[..., None], mask)  # zero padding: nothing stale behind a mask
+
+    @staticmethod
+    def merge(slots: list["MLACache"]) -> "MLACache":
+        if all(s.empty for s in slots):
+            return MLACache()
+        _check_all_used(slots)
+        width = max(int(s.row_lengths().max()) for s in slots)
+        parts = [s.packed(width) for s in slots]
+        latent = torch.cat([p.latent for p in parts])
+        if all(p.key_mask is None for p in parts):
+            return MLACache(latent)
+        ones = lambda p: torch.ones(p.latent.shape[:2], dtype=torch.bool, device=latent.device)  # noqa: E731
+        return MLACache(latent, torch.cat([ones(p) if p.key_mask is None else p.key_mask for p in parts]))
+
+    def select(self, rows: torch.Tensor) -> "MLACache":
+        if self.empty:
+            return MLACache()
+        kept = MLACache(self.latent[rows], None if self.key_mask is None else self.key_mask[rows])
+        return kept.packed(int(kept.row_lengths().max()))  # drops columns only the removed rows used
+
+
+def _check_all_used(slots: list) -> None:
+    if any(s.empty for s in slots):
+        raise ValueError("cannot merge a fresh cache with caches that already hold tokens; prefill the "
+                         "fresh one first (or merge it only with other fresh caches)")
 
 
 @dataclass
@@ -52,8 +134,47 @@ class HybridCache:
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.slots)
 
+    @classmethod
+    def merge(cls, caches: list["HybridCache"]) -> "HybridCache":
+        """Stack caches (any batch sizes, any lengths) row-wise, in order, into one batched cache."""
+        if not caches:
+            raise ValueError("merge needs at least one cache")
+        if len({len(c) for c in caches}) != 1:
+            raise ValueError(f"caches have {sorted({len(c) for c in caches})} slots; merge caches of one model")
+        slots = [type(group[0]).merge(list(group)) for group in zip(*(c.slots for c in caches))]
+        return cls(slots, max(c.seen_tokens for c in caches))
+
+    def select(self, rows) -> "HybridCache":
+        """A cache of only `rows` (a list or 1-d tensor of row indices), padding columns trimmed."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        out = HybridCache([s.select(rows.to(_device(s, rows))) for s in self.slots], self.seen_tokens)
+        widths = [s.length for s in out.slots if isinstance(s, MLACache) and not s.empty]
+        if widths:
+            out.seen_tokens = max(widths)
+        return out
+
+    def split(self) -> list["HybridCache"]:
+        """Batch-1 caches, one per row, without padding."""
+        if self.batch_size is None:
+            raise ValueError("a fresh cache has no rows to split")
+        return [self.select([i]) for i in range(self.batch_size)]
+
+    @property
+    def batch_size(self) -> int | None:
+        """Rows held, or None while every slot is still empty (a fresh cache fits any batch)."""
+        for s in self.slots:
+            t = s.latent if isinstance(s, MLACache) else s.state
+            if t is not None:
+                return t.shape[0]
+        return None
+
     def __getitem__(self, i: int):
         return self.slots[i]
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+def _device(slot, rows: torch.Tensor) -> torch.device:
+    t = slot.latent if isinstance(slot, MLACache) else slot.state
+    return rows.device if t is None else t.device

@@ -73,30 +73,33 @@ class GatedMLA(nn.Module):
         q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
         q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim)
         c_kv = self.kv_norm(self.wkv_a(x))  # [B, T, C]
-        P = 0
+        P, key_mask = 0, None
         if cache is not None:
             P = cache.length
             c_kv = cache.append(c_kv)  # [B, P + T, C]
+            key_mask = cache.key_mask  # [B, P + T] when rows of different lengths share the cache
         absorb = absorb if absorb is not None else self.absorb
         if absorb is None:
             absorb = cache is not None and T == 1
-        o = (self._absorbed if absorb else self._naive)(q, c_kv, P)  # [B, T, H, V]
+        o = (self._absorbed if absorb else self._naive)(q, c_kv, P, key_mask)  # [B, T, H, V]
         o = o.reshape(B, T, -1) * torch.sigmoid(self.w_gate(x))
         return self.wo(o)
 
-    def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int) -> torch.Tensor:
+    def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Materialise k, v [B, S, H, *] from the latent and run SDPA; queries sit at positions P..P+T-1."""
         B, T, H, K = q.shape
         S = c_kv.shape[1]
         k, v = self.wkv_b(c_kv).view(B, S, H, K + self.v_head_dim).split([K, self.v_head_dim], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        mask = None if P == 0 else _causal_mask(T, S, P, q.device)
+        causal = P == 0 and key_mask is None
+        mask = None if causal else _visible(T, S, P, key_mask, q.device)
         if self.track_max_logits:
-            self._track(torch.einsum("bhtk,bhsk->bhts", q, k) * self.softmax_scale, T, S, P)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=P == 0, scale=self.softmax_scale)
+            self._track(torch.einsum("bhtk,bhsk->bhts", q, k) * self.softmax_scale, T, S, P, key_mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
-    def _absorbed(self, q: torch.Tensor, c_kv: torch.Tensor, P: int) -> torch.Tensor:
+    def _absorbed(self, q: torch.Tensor, c_kv: torch.Tensor, P: int,
+                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend in latent space: q W_UK scores against c_kv directly, W_UV applied after the softmax."""
         B, T, H, K = q.shape
         S = c_kv.shape[1]
@@ -105,15 +108,15 @@ class GatedMLA(nn.Module):
         q_latent = torch.einsum("bthk,hkc->bthc", q, w_uk)
         scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv) * self.softmax_scale
         if self.track_max_logits:
-            self._track(scores, T, S, P)
-        scores = scores.masked_fill(~_causal_mask(T, S, P, q.device), float("-inf"))
+            self._track(scores, T, S, P, key_mask)
+        scores = scores.masked_fill(~_visible(T, S, P, key_mask, q.device), float("-inf"))
         p = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)
         o_latent = torch.einsum("bhts,bsc->bthc", p, c_kv)
         return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
 
-    def _track(self, scores: torch.Tensor, T: int, S: int, P: int) -> None:
+    def _track(self, scores: torch.Tensor, T: int, S: int, P: int, key_mask: torch.Tensor | None = None) -> None:
         """scores [B, H, T, S] pre-softmax scaled logits; keeps the max over visible entries per head."""
-        masked = scores.detach().masked_fill(~_causal_mask(T, S, P, scores.device), float("-inf"))
+        masked = scores.detach().masked_fill(~_visible(T, S, P, key_mask, scores.device), float("-inf"))
         self.max_logits = masked.amax(dim=(0, 2, 3))
 
     @torch.no_grad()
@@ -149,3 +152,9 @@ class GatedMLA(nn.Module):
 def _causal_mask(T: int, S: int, P: int, device) -> torch.Tensor:
     """[T, S] bool, True = visible: query i (absolute position P + i) sees keys 0..P + i."""
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=P)
+
+
+def _visible(T: int, S: int, P: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:
+    """The causal mask [T, S], or [B, 1, T, S] with padded keys (key_mask [B, S] False) hidden as well."""
+    mask = _causal_mask(T, S, P, device)
+    return mask if key_mask is None else mask & key_mask[:, None, None, :]

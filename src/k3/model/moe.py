@@ -17,6 +17,8 @@
 - Routed experts are stacked parameters w1/w3 [E, dim, ffn], w2 [E, ffn, dim]. `RoutedExperts.impl` picks the
   compute path: 'naive' (per token and slot, the reference), 'loop' (per expert, gathering its tokens),
   'grouped' (sort token-slots by expert once, then one grouped matmul per weight; see `grouped_swiglu`).
+- QAT (docs/quantization.md): with `config.qat`, the routed experts fake-quantize their weights along the
+  reduction dim (`weight_format`) and the inputs of their GEMMs (`act_format`) in every compute path alike.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")
 GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm", "slices")
@@ -211,30 +214,32 @@ def histogram_column_quantile(u: torch.Tensor, frac: float, bound: float, bins: 
 
 # ---------------------------------------------------------------------------------------------- experts
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", act=None) -> torch.Tensor:
     """x [S, dim] sorted by expert, counts [E] (sum S) -> [S, dim]; rows of expert e use w1[e], w3[e], w2[e].
 
     backends: 'grouped_mm' (torch._grouped_mm, one call per weight), 'bmm' (pad each expert to the largest
     count, batched matmul), 'slices' (a loop over experts on contiguous slices). 'auto' picks per device.
+    `act`, if given, maps the hidden h [..., ffn] before w2 row by row (QAT's activation fake-quant).
     """
+    act = act or (lambda h: h)
     if backend == "auto":
         backend = _grouped_backend(x, counts)
     if backend == "grouped_mm":
         offs = counts.cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs)
+        return torch._grouped_mm(act(h), w2, offs=offs)
     if backend == "bmm":
         E, C = counts.shape[0], int(counts.max()) if x.shape[0] else 0
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
         pos = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert]
         xp = x.new_zeros(E, C, x.shape[1]).index_put((expert, pos), x)  # [E, C, dim], zero rows pad
         h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
-        return torch.bmm(h, w2)[expert, pos]
+        return torch.bmm(act(h), w2)[expert, pos]
     if backend == "slices":
         outs = []
         for e, xe in enumerate(torch.split(x, counts.tolist())):
             if xe.shape[0]:
-                outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+                outs.append(act(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
     raise ValueError(f"grouped backend {backend!r} is unknown; use one of {GROUPED_BACKENDS}")
 
@@ -254,11 +259,18 @@ def _grouped_backend(x: torch.Tensor, counts: torch.Tensor) -> str:
 
 class RoutedExperts(nn.Module):
     """E SwiGLU experts dim -> ffn -> dim as stacked weights; forward(x [N, dim], weights [N, k], experts [N, k])
-    -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, dim]."""
+    -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, dim].
 
-    def __init__(self, n_experts: int, dim: int, ffn: int, init_std: float = 0.02):
+    QAT: `weight_format` fake-quantizes w1, w3, w2 along their reduction dim (dim, dim, ffn); `act_format`
+    fake-quantizes x and the hidden h along their last dim. Every impl goes through `expert_weights()` and
+    `quant_act()`, so a subclass that stores the weights differently (k3.quant.export) overrides just those.
+    """
+
+    def __init__(self, n_experts: int, dim: int, ffn: int, init_std: float = 0.02,
+                 weight_format: str | None = None, act_format: str | None = None):
         super().__init__()
         self.n_experts, self.dim, self.ffn = n_experts, dim, ffn
+        self.weight_format, self.act_format = weight_format, act_format
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, ffn, dim))  # down
@@ -273,27 +285,36 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"RoutedExperts expects x [N, {self.dim}] and weights, experts [N, k]; got "
                              f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
         weights = weights.to(x.dtype)
+        x, w = self.quant_act(x), self.expert_weights()
         if self.impl == "naive":
-            return self._naive(x, weights, experts)
+            return self._naive(x, weights, experts, *w)
         if self.impl == "loop":
-            return self._loop(x, weights, experts)
+            return self._loop(x, weights, experts, *w)
         if self.impl == "grouped":
-            return self._grouped(x, weights, experts)
+            return self._grouped(x, weights, experts, *w)
         raise ValueError(f"RoutedExperts.impl = {self.impl!r} is unknown; use one of {IMPLS}")
 
-    def _naive(self, x, weights, experts):
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [E, dim, ffn], w3 [E, dim, ffn], w2 [E, ffn, dim]) as the GEMMs use them."""
+        return tuple(fake_quant(w, self.weight_format, dim=1) for w in (self.w1, self.w3, self.w2))
+
+    def quant_act(self, a: torch.Tensor) -> torch.Tensor:
+        """a [..., n] entering an expert GEMM (n is its reduction dim) -> fake-quantized under QAT."""
+        return fake_quant(a, self.act_format)
+
+    def _naive(self, x, weights, experts, w1, w3, w2):
         """Reference: every token, every chosen slot, one expert at a time."""
         rows = []
         for n in range(x.shape[0]):
             y = x.new_zeros(self.dim)
             for j in range(experts.shape[1]):
                 e = int(experts[n, j])
-                h = F.silu(x[n] @ self.w1[e]) * (x[n] @ self.w3[e])
-                y = y + weights[n, j] * (h @ self.w2[e])
+                h = self.quant_act(F.silu(x[n] @ w1[e]) * (x[n] @ w3[e]))
+                y = y + weights[n, j] * (h @ w2[e])
             rows.append(y)
         return torch.stack(rows) if rows else x.new_zeros(0, self.dim)
 
-    def _loop(self, x, weights, experts):
+    def _loop(self, x, weights, experts, w1, w3, w2):
         """Per expert: find its tokens, gather, run, scatter-add back (the common eager MoE pattern)."""
         y = x.new_zeros(x.shape)
         for e in range(self.n_experts):
@@ -301,17 +322,17 @@ class RoutedExperts(nn.Module):
             if tok.numel() == 0:
                 continue
             xe = x[tok]
-            out = (F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e]
+            out = self.quant_act(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
             y.index_add_(0, tok, out * weights[tok, slot, None])
         return y
 
-    def _grouped(self, x, weights, experts):
+    def _grouped(self, x, weights, experts, w1, w3, w2):
         """Sort the N*k token-slots by expert once, run all experts as grouped matmuls, unsort, combine."""
         N, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        out_sorted = grouped_swiglu(x[order // k], counts, self.w1, self.w3, self.w2, self.backend)
+        out_sorted = grouped_swiglu(x[order // k], counts, w1, w3, w2, self.backend, act=self.quant_act)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         out = out_sorted[inverse].view(N, k, self.dim)
@@ -342,7 +363,8 @@ class MoE(nn.Module):
             if self.w_down.weight.device.type != "meta":
                 nn.init.normal_(self.w_down.weight, std=std)
                 nn.init.normal_(self.w_up.weight, std=std)
-        self.experts = RoutedExperts(config.n_experts, l, config.expert_ffn, std)
+        self.experts = RoutedExperts(config.n_experts, l, config.expert_ffn, std,
+                                     qat_format(config, "expert_weights"), qat_format(config, "activations"))
         # n shared experts of width f, summed, are one SwiGLU of width n*f (as DeepSeek-V3 builds them)
         self.shared = (SwiGLU(d, config.n_shared_experts * config.shared_ffn, std)
                        if config.n_shared_experts > 0 else None)

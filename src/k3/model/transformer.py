@@ -16,6 +16,7 @@ from k3.model.cache import HybridCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoE, SwiGLU
+from k3.quant.fake import apply_linear_qat, qat_format
 
 
 class Block(nn.Module):
@@ -46,6 +47,7 @@ class K3Model(nn.Module):
             nn.init.normal_(self.embed.weight, std=config.init_std)
             if not config.tie_embeddings:
                 nn.init.normal_(self.head.weight, std=config.init_std)
+        apply_linear_qat(self, qat_format(config, "linears"))  # config.qat = {"linears": ...}; no-op without
 
     # ------------------------------------------------------------------ forward
     def new_cache(self) -> HybridCache:
@@ -109,12 +111,6 @@ class K3Model(nn.Module):
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> next ids [B, 1]; temperature 0 is greedy; top_p keeps the smallest nucleus."""
-    if temperature <= 0:
-        return logits.argmax(-1, keepdim=True)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator)
+    from k3.serve.sampling import sample_next as _sample_next  # the one sampler; serve imports the model
+
+    return _sample_next(logits, temperature, top_p, generator)

@@ -111,18 +111,25 @@ def set_threads(n: int | None, auto: bool = False) -> int:
     return torch.get_num_threads()
 
 
-def _check_qat(args) -> None:
-    if getattr(args, "qat", False):
-        raise ValueError("--qat is not available yet (quantization-aware training lands with k3.quant)")
+def _with_qat(config, args):
+    """`--qat [SPEC]` sets config.qat: K3's MXFP4 expert weights + MXFP8 expert activations, then SPEC's items."""
+    if getattr(args, "qat", None) is None:
+        return config
+    from k3.quant import parse_qat
+
+    return config.replace(qat=parse_qat(args.qat))
 
 
 # ---------------------------------------------------------------------- k3 train
 def cmd_train(args: argparse.Namespace) -> int:
+    from k3.parallel.cli import maybe_run_parallel
     from k3.train.plots import plot_all
     from k3.train.trainer import Trainer
 
-    _check_qat(args)
-    config = config_from_args(args)
+    code = maybe_run_parallel(args)  # --nproc/--ep/--fsdp/--pp: torchrun re-launch, or one rank of it
+    if code is not None:
+        return code
+    config = _with_qat(config_from_args(args), args)
     tc = _train_config(args)
     set_threads(args.threads)
     files = load_data_dir(args.data)
@@ -338,8 +345,14 @@ def register(sub) -> None:
     p.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
                    help="torch.compile the model (default backend inductor; off unless given)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--qat", action="store_true", help="quantization-aware training (reserved; not available yet)")
+    p.add_argument("--qat", nargs="?", const="", default=None, metavar="KEY=FMT,...",
+                   help="quantization-aware training: routed-expert weights MXFP4 and their input activations MXFP8; "
+                        "optional overrides, e.g. --qat linears=mxfp4 or --qat activations=none "
+                        "(keys expert_weights, activations, linears; formats mxfp4, mxfp8, none)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    from k3.parallel.cli import add_parallel_args
+
+    add_parallel_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint")

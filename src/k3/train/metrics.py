@@ -11,9 +11,10 @@ Records in metrics.jsonl carry `"kind": "train"` (every step) or `"kind": "val"`
 
 MFU = achieved model FLOP/s / peak FLOP/s. The peak is *measured* (a 2048 x 2048 matmul in the training
 dtype, best of a few runs, cached per process), not a datasheet number: on a CPU shared with other jobs
-it is what the machine can do right now. Model FLOPs per token (`flops_per_token`), training = 3x forward:
-  6 * N, N = active parameters touched by matmuls (k3.model.accounting; the embedding lookup excluded,
-      the head included) -- the Kaplan et al. / PaLM appendix B convention;
+it is what the machine can do right now. Model FLOPs per token (`flops_per_token`, counted by
+k3.model.accounting.forward_flops, the planner's count), training = 3x forward:
+  6 * N, N = weights touched by matmuls per token (the embedding lookup excluded, the head included, routed
+      experts at top-k) -- the Kaplan et al. / PaLM appendix B convention -- plus the MoE combine;
   + MLA attention: 6 * H * (K + V) * (T + 1) / 2 per layer (q k^T and p v over the causal prefix,
       the average query sees (T + 1) / 2 keys);
   + KDA: 18 * H * K * V per layer (k^T S, the rank-1 update and q^T S, each K x V, per head);
@@ -117,34 +118,11 @@ def _sync(device: torch.device) -> None:
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> dict:
-    """Training FLOPs per token of a K3Model at sequence length `seq_len` (see the module docstring)."""
-    cfg = model.config
-    try:
-        from k3.model.accounting import count_params
+    """Training FLOPs per token of a K3Model at sequence length `seq_len`: k3.model.accounting.flops_per_token,
+    the one count the planner uses too (keys total, params, mla, kda, attnres, active_params)."""
+    from k3.model.accounting import flops_per_token as count
 
-        counts = count_params(model)
-        embed = counts["by_component"].get("embedding", {}).get("active", 0)
-        active = counts["active"] - embed
-        if cfg.tie_embeddings:  # the tied head is still a matmul
-            active += cfg.vocab_size * cfg.d_model
-    except Exception:  # accounting unavailable: count directly, experts at top-k / n_experts
-        frac = cfg.n_active_experts / cfg.n_experts
-        active = 0.0
-        for name, p in model.named_parameters():
-            if name.startswith("embed."):
-                continue
-            active += p.numel() * (frac if ".experts." in name or name.endswith(".experts") else 1.0)
-        if cfg.tie_embeddings:
-            active += cfg.vocab_size * cfg.d_model
-    dense = 6.0 * active
-    mla = cfg.n_mla_layers * 6.0 * cfg.mla_heads * (cfg.mla_qk_head_dim + cfg.mla_v_head_dim) * (seq_len + 1) / 2
-    kda = cfg.n_kda_layers * 18.0 * cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim
-    attnres = 0.0
-    ar = getattr(model, "attnres", None)
-    if ar is not None and cfg.attnres != "none" and hasattr(ar, "n_sources"):
-        attnres = 12.0 * cfg.d_model * sum(ar.n_sources(j) for j in range(2 * cfg.n_layers + 1))
-    return {"total": dense + mla + kda + attnres, "params": dense, "mla": mla, "kda": kda, "attnres": attnres,
-            "active_params": int(active)}
+    return count(model, seq_len)
 
 
 # ---------------------------------------------------------------------- model probes

@@ -604,6 +604,10 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
     if found is None:
         raise ValueError(f"no checkpoint at {path}; train one with `k3 train --out DIR` (it writes DIR/checkpoint)")
     manifest = ckpt.read_manifest(found, verify=False)
+    if "mx_export" in manifest.get("extra", {}):  # written by `k3 export --format mx`: packed routed experts
+        from k3.quant.export import load_packed
+
+        return load_packed(found, device)
     config = K3Config.from_dict(manifest["config"])
     model = K3Model(config)
     manifest = ckpt.load_checkpoint(found, model, config=config, restore_rng=False)

@@ -1,0 +1,164 @@
+"""Distributed checkpoints with torch.distributed.checkpoint (DCP): save sharded, resume on any rank count.
+
+Layout under a root: `step_XXXXXX/` (DCP files + `k3.json`) and `latest` (one line, the newest step).
+Every rank writes its shards into a hidden `.step_XXXXXX.tmp/`; after a barrier rank 0 writes `k3.json`,
+renames the directory into place and only then replaces `latest`, so a job that dies mid-save leaves the
+previous checkpoint complete and named by `latest`.
+
+State is stored in logical form so that it reshards: FSDP parameters and their optimizer moments are
+DTensors already; expert weights (and moments) of a contiguous placement are wrapped as DTensors sharded
+over the EP mesh ([Replicate() over edp, Shard(0) over ep]) without copying. A balanced placement with
+replicas is not a DTensor layout, so its experts are gathered to full [E, ...] tensors (simple, but
+memory-hungry: fine for small models, not for the k3 preset).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from k3.fileio import atomic_write_json, atomic_write_text, fsync_dir
+from k3.parallel import comm
+from k3.parallel.expert import ExpertParallel
+
+log = logging.getLogger(__name__)
+
+FORMAT = "k3-dcp/1"
+META, LATEST = "k3.json", "latest"
+
+__all__ = ["save", "load", "latest", "read_meta"]
+
+
+def _expert_fqns(model) -> dict[str, tuple[ExpertParallel, str]]:
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertParallel):
+            for w in ("w1", "w3", "w2"):
+                out[f"{name}.{w}"] = (m, w)
+    return out
+
+
+def _logical(t: torch.Tensor, m: ExpertParallel, ep_mesh) -> torch.Tensor:
+    """This rank's slots of an expert tensor [S, ...] as a DTensor over the logical [E, ...] (no copy)."""
+    shape = (m.n_experts, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t.detach(), ep_mesh, [Replicate(), Shard(0)], run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _wrap(model, ctx, msd: dict, osd: dict, gather_full: bool) -> tuple[dict, dict]:
+    """Expert entries of the model / optimizer state dicts in logical form (for a load, `gather_full` False
+    makes empty full-size targets for balanced placements)."""
+    experts = _expert_fqns(model)
+    # the returned dicts may be the optimizer's live state: copy each entry before swapping tensors in it
+    osd = {**osd, "state": {k: dict(v) for k, v in osd.get("state", {}).items()}}
+    for fqn, (m, w) in experts.items():
+        if m.placement.is_contiguous:
+            msd[fqn] = _logical(msd[fqn], m, ctx.ep_mesh)
+            for k, v in osd.get("state", {}).get(fqn, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    osd["state"][fqn][k] = _logical(v, m, ctx.ep_mesh)
+        else:
+            t = msd[fqn]
+            msd[fqn] = _gather(m, t) if gather_full else t.new_empty(m.n_experts, *t.shape[1:])
+            for k, v in osd.get("state", {}).get(fqn, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    osd["state"][fqn][k] = _gather(m, v) if gather_full else v.new_empty(m.n_experts, *v.shape[1:])
+    return msd, osd
+
+
+def _gather(m: ExpertParallel, t: torch.Tensor) -> torch.Tensor:
+    R, S = m.placement.n_ranks, m.placement.slots_per_rank
+    full = t.new_empty(R * S, *t.shape[1:])
+    comm.all_gather_single(full, t.detach().contiguous(), group=m.group, tag="ckpt_gather")
+    return full[torch.tensor([r[0] for r in m.placement.replicas()])]
+
+
+def _optims(optimizer) -> list:
+    return list(optimizer.optimizers.values()) if hasattr(optimizer, "optimizers") else [optimizer]
+
+
+def save(root, step: int, model, optimizer, ctx, meta: dict, keep_last: int = 3) -> Path:
+    """Collective: every rank calls it. Returns the committed step directory."""
+    root = Path(root)
+    name = f"step_{step:06d}"
+    tmp, final = root / f".{name}.tmp", root / name
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    comm.barrier()
+    msd = get_model_state_dict(model)
+    osd = get_optimizer_state_dict(model, _optims(optimizer))
+    msd, osd = _wrap(model, ctx, msd, osd, gather_full=True)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    comm.barrier()
+    if ctx.rank == 0:
+        atomic_write_json(tmp / META, {"format": FORMAT, "step": step, **meta})
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(root)
+        atomic_write_text(root / LATEST, name + "\n")
+        steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+        for old in steps[:-keep_last] if keep_last > 0 else []:
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()
+    log.info("saved %s", final)
+    return final
+
+
+def latest(root) -> Path | None:
+    root = Path(root)
+    f = root / LATEST
+    if f.is_file():
+        p = root / f.read_text().strip()
+        if (p / META).is_file():
+            return p
+    if (root / META).is_file():
+        return root
+    return None
+
+
+def read_meta(path) -> dict:
+    found = latest(path)
+    if found is None:
+        raise ValueError(f"no distributed checkpoint in {path} (expected {LATEST} or {META}); train with --out "
+                         "and --ckpt-every to write one")
+    meta = json.loads((found / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{found / META}: format {meta.get('format')!r} is not {FORMAT}")
+    return {**meta, "path": str(found)}
+
+
+def load(path, model, optimizer, ctx) -> dict:
+    """Collective: load model and optimizer state in place from `path` (a step dir or a root)."""
+    meta = read_meta(path)
+    msd = get_model_state_dict(model)
+    osd = get_optimizer_state_dict(model, _optims(optimizer))  # initialises empty optimizer state first
+    msd, osd = _wrap(model, ctx, msd, osd, gather_full=False)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=meta["path"])
+    for fqn, (m, _) in _expert_fqns(model).items():  # back to this rank's slots
+        local = (lambda t: t.to_local()) if m.placement.is_contiguous else (lambda t: full_from(t, m))
+        msd[fqn] = local(msd[fqn])
+        for k, v in osd["state"].get(fqn, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                osd["state"][fqn][k] = local(v)
+    set_model_state_dict(model, msd)
+    set_optimizer_state_dict(model, _optims(optimizer), osd)
+    comm.barrier()
+    return meta
+
+
+def full_from(full: torch.Tensor, m: ExpertParallel) -> torch.Tensor:
+    """Local slots [S, ...] of a logical [E, ...] expert tensor."""
+    return full[torch.tensor(m.local)]

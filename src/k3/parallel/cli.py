@@ -1,0 +1,168 @@
+"""Distributed `k3 train` (--nproc/--ep/--fsdp/--pp) and `k3 mesh` (how a job's ranks would be laid out).
+
+`k3 train --nproc N ...` outside torchrun re-launches itself as
+`python -m torch.distributed.run --standalone --nproc-per-node N -m k3.cli train ...` (the same arguments);
+inside torchrun (RANK / WORLD_SIZE set) `k3 train` runs k3.parallel.train.ParallelTrainer on the mesh.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed (torch.distributed; gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--nproc", type=int, default=1, help="processes on this machine; > 1 re-launches via torchrun")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (routed experts sharded over them)")
+    g.add_argument("--fsdp", type=int, default=0, help="FSDP2 shard ranks for the non-expert weights (0 = all)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (training supports 1)")
+    g.add_argument("--ep-redundant", type=int, default=0, metavar="N",
+                   help="with --resume: N redundant expert slots per EP rank, experts placed and hot ones "
+                        "replicated from the loads the checkpoint observed (EPLB-style)")
+
+
+def _dims(nproc: int, args):
+    from k3.parallel.mesh import ParallelDims
+
+    return ParallelDims(nproc, ep=args.ep, fsdp=args.fsdp, pp=args.pp)
+
+
+def maybe_run_parallel(args: argparse.Namespace) -> int | None:
+    """None when this is a plain single-process `k3 train`; otherwise the exit code of the distributed run."""
+    from k3.parallel.launch import in_torchrun, torchrun_command
+
+    nproc = getattr(args, "nproc", 1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if in_torchrun() and world > 1:
+        return run_parallel_train(args, world)
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc} must be >= 1")
+    if nproc == 1:
+        if getattr(args, "ep", 1) != 1 or getattr(args, "pp", 1) != 1 or getattr(args, "fsdp", 0) > 1:
+            raise ValueError("--ep/--fsdp/--pp need several processes: add --nproc N (or launch with torchrun)")
+        if getattr(args, "resume", False) and getattr(args, "out", None) and _holds_dcp(args.out):
+            return run_parallel_train(args, 1)  # a distributed checkpoint continues in a world of one
+        return None
+    _dims(nproc, args)  # a mesh that does not factor fails here, before any process starts
+    argv = _without_nproc(sys.argv[1:])  # torchrun's own parser would take --nproc for --nproc-per-node
+    if "train" not in argv:
+        raise ValueError("the --nproc re-launch reads the command line; run `k3 train --nproc N ...` from a shell")
+    cmd = torchrun_command(nproc, argv)
+    print("launching: " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def _holds_dcp(out) -> bool:
+    from pathlib import Path
+
+    from k3.parallel.checkpoint import latest
+
+    return latest(Path(out) / "checkpoint") is not None
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def run_parallel_train(args: argparse.Namespace, world: int) -> int:
+    """One rank of a torchrun job: build the mesh, train, save (DCP), print the summary on rank 0."""
+    import torch.distributed as dist
+
+    from k3.model.cli import config_from_args
+    from k3.parallel.mesh import build_context, init_distributed
+    from k3.parallel.train import ParallelTrainer
+    from k3.train.cli import Progress, _train_config, _with_qat, load_data_dir, set_threads
+
+    dims = _dims(world, args)
+    config = _with_qat(config_from_args(args), args)
+    tc = _train_config(args)
+    set_threads(args.threads or 1)
+    if world == 1 and not dist.is_initialized():
+        import tempfile
+
+        store = tempfile.mkdtemp(prefix="k3-store-")
+        init_distributed(init_method=f"file://{store}/store", rank=0, world_size=1)
+    else:
+        init_distributed()
+    try:
+        ctx = build_context(dims)
+        if ctx.rank != 0:
+            logging.getLogger("k3").setLevel(logging.WARNING)  # one rank tells the story
+        files = load_data_dir(args.data)
+        placements = None
+        if args.ep_redundant:
+            if not args.resume:
+                raise ValueError("--ep-redundant places experts from observed loads: it needs --resume")
+            from pathlib import Path
+
+            from k3.parallel.checkpoint import read_meta
+            from k3.parallel.train import placements_from_loads
+
+            meta = read_meta(Path(args.out) / "checkpoint")
+            if not meta.get("expert_loads"):
+                raise ValueError(f"{meta['path']} records no expert loads to place experts from; resume once "
+                                 "without --ep-redundant and use the next checkpoint")
+            placements = placements_from_loads(meta["expert_loads"], dims.ep, args.ep_redundant)
+        trainer = ParallelTrainer(config, tc, files.train, ctx, out_dir=args.out, overwrite=args.overwrite,
+                                  placements=placements)
+        progress = Progress(trainer, desc=f"train {config.name} x{world}", enabled=ctx.rank == 0 and not args.quiet)
+        try:
+            result = trainer.fit(resume=args.resume, on_step=progress.on_step)
+        finally:
+            progress.close()
+        if ctx.rank == 0:
+            last = result.losses[-1] if result.losses else float("nan")
+            print(f"trained {result.steps_done} steps ({result.tokens:,} tokens) on {world} ranks "
+                  f"({dims.describe()}) in {result.elapsed_s / 60:.1f} min; last train loss {last:.4f}")
+            print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count)")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_mesh(args: argparse.Namespace) -> int:
+    """Print the layout of `--nproc` ranks: groups, experts per rank, parameters per rank."""
+    from k3.model.accounting import a2a_bytes_per_token, build_meta, count_params, pipeline_sources
+    from k3.model.cli import config_from_args
+    from k3.parallel.pipeline import stage_layers
+    from k3.parallel.placement import contiguous_placement
+
+    dims = _dims(args.nproc, args)
+    config = config_from_args(args)
+    model = build_meta(config)
+    counts = count_params(model)
+    routed = counts["by_component"].get("moe_routed", {"total": 0})["total"]
+    other = counts["total"] - routed
+    per_stage = routed / dims.pp, other / dims.pp  # even split over stages, an approximation
+    if config.n_dense_layers < config.n_layers:
+        contiguous_placement(config.n_experts, dims.ep)
+    print(dims.describe())
+    print(f"{config.name}: {config.n_experts} experts -> {config.n_experts // dims.ep} per EP rank; routed expert "
+          f"params per rank ~{per_stage[0] / dims.ep / 1e9:.3f}B, other params per rank ~"
+          f"{per_stage[1] / dims.fsdp_size / 1e9:.3f}B (FSDP shard)")
+    print(f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes")
+    if dims.pp > 1:
+        starts = [r.start for r in stage_layers(config.n_layers, dims.pp)[1:]]
+        print("AttnRes sources crossing each stage boundary: " +
+              ", ".join(f"layer {s}: {pipeline_sources(model, s)}" for s in starts))
+    return 0
+
+
+def register(sub) -> None:
+    from k3.model.cli import add_config_args
+
+    p = sub.add_parser("mesh", help="show how N ranks split into pipeline / FSDP / expert-parallel groups")
+    add_config_args(p, default="k3")
+    add_parallel_args(p)
+    p.set_defaults(func=cmd_mesh)

@@ -1,0 +1,121 @@
+"""Fake quantization for QAT: MX quantize-dequantize in forward, a straight-through estimator in backward.
+
+`config.qat` says what is fake-quantized, and the model reads it at construction:
+    expert_weights  routed-expert weights w1, w3, w2, in blocks of 32 along the reduction (input) dim
+    activations     the inputs of the expert GEMMs: x before w1/w3 and silu(x w1) * (x w3) before w2
+    linears         the weights of every other nn.Linear inside the layers (token mixers, shared experts,
+                    dense MLP, latent projections); not the output head, not the router
+Each value is "mxfp4", "mxfp8" or "none"/None. Post-training quantization is therefore just: build the model
+with a qat config and load full-precision weights into it.
+
+Straight-through estimator (Bengio et al., arXiv 1308.3432): forward returns dequantize(quantize(x)) exactly
+(`k3.ops.mx.fake_quantize_mx`); backward passes the gradient unchanged, d fq(x) / dx := I. MX has no fixed
+clipping range to mask: each block's scale follows its own max, so only elements between the largest normal
+and the next power of two (6X..8X for E2M1) saturate, and the block's largest element is often one of them;
+zeroing its gradient would freeze exactly the weights that set the scale, so nothing is masked.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config, K3ConfigError
+from k3.ops.mx import fake_quantize_mx
+
+BLOCK = 32
+QAT_KEYS = ("expert_weights", "activations", "linears")
+DEFAULT_QAT = {"expert_weights": "mxfp4", "activations": "mxfp8"}
+
+
+def qat_format(config: K3Config, key: str) -> str | None:
+    """The MX format config.qat gives `key` ('mxfp4' / 'mxfp8'), or None when that part stays full precision."""
+    if key not in QAT_KEYS:
+        raise K3ConfigError(f"qat key {key!r} is unknown; use one of {QAT_KEYS}")
+    v = (config.qat or {}).get(key)
+    return None if v in (None, "none") else v
+
+
+def parse_qat(spec: str | None) -> dict:
+    """`k3 train --qat [SPEC]`: SPEC is empty (K3's setting: expert weights mxfp4, activations mxfp8) or
+    comma-separated KEY=FORMAT items applied on top of it, e.g. 'linears=mxfp4' or 'activations=none'."""
+    qat = dict(DEFAULT_QAT)
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in QAT_KEYS or value not in ("mxfp4", "mxfp8", "none"):
+            raise ValueError(f"--qat {spec!r}: {item!r} is not KEY=FORMAT with KEY one of {', '.join(QAT_KEYS)} "
+                             "and FORMAT one of mxfp4, mxfp8, none (e.g. --qat linears=mxfp4)")
+        qat[key] = value
+    return qat
+
+
+class _MXFakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fmt: str) -> torch.Tensor:
+        return fake_quantize_mx(x, fmt, BLOCK)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None  # straight through: the identity's gradient
+
+
+def fake_quant(x: torch.Tensor, fmt: str | None, dim: int = -1) -> torch.Tensor:
+    """x [..., n, ...] -> same shape and dtype, MX-quantized and dequantized in blocks of 32 along `dim`.
+
+    Gradient: straight through. A `dim` whose size is not a multiple of 32 is padded with zeros for the
+    rounding (a zero never changes a block's scale) and sliced back. fmt None returns x.
+    """
+    if fmt is None:
+        return x
+    moved = dim not in (-1, x.dim() - 1)
+    y = x.transpose(dim, -1) if moved else x
+    n = y.shape[-1]
+    pad = -n % BLOCK
+    if pad:
+        y = F.pad(y, (0, pad))
+    y = _MXFakeQuant.apply(y, fmt)
+    if pad:
+        y = y[..., :n]
+    return y.transpose(dim, -1) if moved else y
+
+
+class QATLinear(nn.Linear):
+    """An nn.Linear whose weight [out, in] is fake-quantized along `in` (the reduction dim) on every forward.
+
+    Holds the original module's parameters, so state_dict names and values are those of the nn.Linear it
+    replaced. Modules that read `.weight` directly (e.g. MLA's absorbed decode) see the full-precision weight.
+    """
+
+    def __init__(self, linear: nn.Linear, weight_format: str):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.weight_format = weight_format
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, fake_quant(self.weight, self.weight_format, dim=1), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight_format={self.weight_format}"
+
+
+def apply_linear_qat(model: nn.Module, fmt: str | None) -> int:
+    """Swap every nn.Linear under `model.layers` for a QATLinear sharing its parameters; returns the count.
+
+    The head stays full precision (as the embedding does), and so does the router, whose weight is not a
+    Linear: routing compares close scores and costs E * d per token, too little to be worth quantizing.
+    """
+    if fmt is None:
+        return 0
+    n = 0
+    for parent in list(model.layers.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, QATLinear(child, fmt))
+                n += 1
+    return n

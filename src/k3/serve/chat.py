@@ -1,0 +1,247 @@
+"""Chat template: OpenAI-style messages <-> token ids, with k3's reserved special tokens.
+
+    <|system|>{system text}[\\n\\n# Tools\\n{tools as JSON}]<|end|>
+    <|user|>{text}<|end|>
+    <|assistant|>[<|think|>{reasoning}<|/think|>]{text}
+                 [<|tool_call|>{"name": ..., "arguments": {...}}<|/tool_call|>]*<|end|>
+    <|tool|><|tool_result|>{tool output}<|/tool_result|><|end|>
+    <|assistant|>[<|effort:low|medium|high|>]        <- the generation prompt
+
+Special tokens are inserted by id and message text is encoded with `allow_special=False`, so a user who
+types "<|end|>" gets those bytes, never the token. The reply ends at `<|end|>`, `<|eos|>` or any role
+token; `ChatOutputParser` splits it into content, reasoning (`<|think|>` ... `<|/think|>`) and tool calls.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from k3.data.tokenizer import SPECIAL_TOKENS
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+EFFORTS = ("low", "medium", "high")
+THINK, END_THINK = "<|think|>", "<|/think|>"
+TOOL_CALL, END_TOOL_CALL = "<|tool_call|>", "<|/tool_call|>"
+
+
+class ChatFormatError(ValueError):
+    """Messages that the template cannot render; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Tokens that end an assistant turn: <|end|> and the role tokens (a new turn); <|eos|> always ends."""
+    return tuple(tokenizer.special_id(n) for n in ("end", "user", "system", "tool", "assistant"))
+
+
+def _text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ChatFormatError(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}; this model "
+                                      "reads text only")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ChatFormatError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _tool_call_json(call, where: str) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ChatFormatError(f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # kept as a string: the model sees what the caller sent
+    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+
+
+def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
+           add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (and, by default, the start of the assistant's reply)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ChatFormatError("tools must be a list of {'type': 'function', 'function': {...}}", "tools")
+    if reasoning_effort is not None and reasoning_effort not in EFFORTS:
+        raise ChatFormatError(f"reasoning_effort = {reasoning_effort!r} must be one of {', '.join(EFFORTS)}",
+                              "reasoning_effort")
+    sid = tokenizer.special_id
+    ids: list[int] = []
+
+    def text(s: str) -> None:
+        if s:
+            ids.extend(tokenizer.encode(s, allow_special=False))
+
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ChatFormatError(f"messages[{i}] must be an object with role one of {', '.join(ROLES)}")
+    tools_text = f"# Tools\n{json.dumps(tools, ensure_ascii=False)}" if tools else ""
+    if tools_text and not any(m["role"] in ("system", "developer") for m in messages):
+        ids.append(sid("system"))
+        text(tools_text)
+        ids.append(sid("end"))
+        tools_text = ""
+    for i, m in enumerate(messages):
+        where, role = f"messages[{i}]", m["role"]
+        if role in ("system", "developer"):
+            body = _text(m.get("content"), where)
+            if tools_text:  # the tool list goes with the first system message
+                body = f"{body}\n\n{tools_text}" if body else tools_text
+                tools_text = ""
+            ids.append(sid("system"))
+            text(body)
+        elif role == "user":
+            if m.get("content") is None:
+                raise ChatFormatError(f"{where}.content is missing")
+            ids.append(sid("user"))
+            text(_text(m["content"], where))
+        elif role == "assistant":
+            ids.append(sid("assistant"))
+            reasoning = m.get("reasoning_content")
+            if reasoning:
+                ids.append(sid(THINK))
+                text(_text(reasoning, where))
+                ids.append(sid(END_THINK))
+            text(_text(m.get("content"), where))
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ChatFormatError(f"{where}.tool_calls must be a list")
+            for j, call in enumerate(calls):
+                ids.append(sid(TOOL_CALL))
+                text(_tool_call_json(call, f"{where}.tool_calls[{j}]"))
+                ids.append(sid(END_TOOL_CALL))
+        else:  # tool
+            if m.get("content") is None:
+                raise ChatFormatError(f"{where}.content (the tool's output) is missing")
+            ids.append(sid("tool"))
+            ids.append(sid("tool_result"))
+            text(_text(m["content"], where))
+            ids.append(sid("/tool_result"))
+        ids.append(sid("end"))
+    if add_generation_prompt:
+        ids.append(sid("assistant"))
+        if reasoning_effort:
+            ids.append(sid(f"effort:{reasoning_effort}"))
+    return ids
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self, index: int | None = None) -> dict:
+        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return d if index is None else {"index": index, **d}
+
+
+class ChatOutputParser:
+    """Incremental split of the reply text into ('content' | 'reasoning', str) and ('tool_call', ToolCall).
+
+    Feed text deltas as they stream; markers split across deltas are held back until they are whole.
+    Special tokens other than the think / tool-call markers carry no text and are dropped.
+    """
+
+    def __init__(self):
+        self.mode = "content"  # content | reasoning | tool
+        self.buf = ""
+        self.tool_buf = ""
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, delta: str, final: bool = False) -> list[tuple[str, object]]:
+        self.buf += delta
+        out: list[tuple[str, object]] = []
+        while True:
+            i = self.buf.find("<|")
+            if i < 0:
+                keep = 1 if self.buf.endswith("<") and not final else 0  # "<" may start a marker
+                self._text(self.buf[:len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            self._text(self.buf[:i], out)
+            self.buf = self.buf[i:]
+            marker = next((t for t in SPECIAL_TOKENS if self.buf.startswith(t)), None)
+            if marker is not None:
+                self.buf = self.buf[len(marker):]
+                self._marker(marker, out)
+            elif not final and any(t.startswith(self.buf) for t in SPECIAL_TOKENS):
+                break  # maybe the start of a marker: wait for more text
+            else:
+                self._text("<|", out)
+                self.buf = self.buf[2:]
+        if final:
+            if self.mode == "tool":  # an unterminated call: give the text back rather than lose it
+                self._text_as(TOOL_CALL + self.tool_buf, "content", out)
+                self.mode, self.tool_buf = "content", ""
+        return _coalesce(out)
+
+    def _text(self, s: str, out: list) -> None:
+        if not s:
+            return
+        if self.mode == "tool":
+            self.tool_buf += s
+        else:
+            self._text_as(s, self.mode, out)
+
+    @staticmethod
+    def _text_as(s: str, kind: str, out: list) -> None:
+        out.append((kind, s))
+
+    def _marker(self, marker: str, out: list) -> None:
+        if marker == THINK and self.mode == "content":
+            self.mode = "reasoning"
+        elif marker == END_THINK and self.mode == "reasoning":
+            self.mode = "content"
+        elif marker == TOOL_CALL and self.mode == "content":
+            self.mode, self.tool_buf = "tool", ""
+        elif marker == END_TOOL_CALL and self.mode == "tool":
+            call, raw = _parse_call(self.tool_buf), self.tool_buf
+            self.mode, self.tool_buf = "content", ""
+            if call is None:  # not a JSON call: keep the text visible instead of dropping it
+                out.append(("content", TOOL_CALL + raw + END_TOOL_CALL))
+            else:
+                self.tool_calls.append(call)
+                out.append(("tool_call", call))
+
+
+def _parse_call(text: str) -> ToolCall | None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _coalesce(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    out: list[tuple[str, object]] = []
+    for kind, v in items:
+        if out and kind != "tool_call" and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + v)
+        else:
+            out.append((kind, v))
+    return out
+
+
+def parse_reply(text: str) -> tuple[str, str, list[ToolCall]]:
+    """(content, reasoning, tool calls) of a whole reply."""
+    p = ChatOutputParser()
+    content, reasoning = [], []
+    for kind, v in p.feed(text, final=True):
+        (content if kind == "content" else reasoning if kind == "reasoning" else []).append(v)
+    return "".join(content), "".join(reasoning), p.tool_calls

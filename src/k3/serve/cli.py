@@ -1,0 +1,66 @@
+"""`k3 serve`: an OpenAI-compatible HTTP server for a trained checkpoint."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from k3.train.cli import set_threads
+    from k3.train.trainer import resolve_device
+
+    # every check (checkpoint, config, tokenizer) runs before the port opens
+    for name in ("max_batch", "prefill_chunk", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue = {args.max_queue} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port = {args.port} must be in 1..65535")
+    try:
+        import uvicorn
+
+        from k3.serve.server import create_app, load_for_serving
+    except ModuleNotFoundError as e:
+        raise ValueError(f"`k3 serve` needs the serving extras ({e.name} is missing): "
+                         "pip install 'k3[serve]'") from None
+    from k3.serve.engine import Engine
+
+    threads = set_threads(args.threads)
+    model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, resolve_device(args.device))
+    name = args.model_name or f"k3-{model.config.name}"
+    engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    prefill_chunk=args.prefill_chunk)
+    app = create_app(engine, name, default_max_tokens=args.default_max_tokens,
+                     api_key=args.api_key or os.environ.get("K3_API_KEY") or None, worker_threads=threads)
+    print(f"k3 serve: {name} from {manifest['path']} (step {manifest.get('step')}), context "
+          f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s); "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+                       description="OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions "
+                                   "(streaming with stream=true), /health.")
+    p.add_argument("--ckpt", default="runs/train/checkpoint",
+                   help="checkpoint dir or root (default runs/train/checkpoint)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint names)")
+    p.add_argument("--config", default=None, metavar="FILE.json",
+                   help="refuse to start unless the checkpoint was trained with this config")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="model id in the API (default k3-<preset name>)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=32,
+                   help="requests waiting for a batch slot; beyond that the server answers 429 (default 32)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="chat reply length when the request gives no max_tokens (default 256)")
+    p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $K3_API_KEY, else none)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (default: torch's choice)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,578 @@
+"""OpenAI-compatible HTTP server over the generation engine (FastAPI + uvicorn).
+
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
+(both with `stream` as server-sent events ending in `data: [DONE]`, and `usage` counts). One background
+thread runs `Engine.step()`; handlers only validate, submit and wait on per-request event queues, so the
+event loop never blocks on the model. Errors use OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`: 400 bad JSON / parameter / context length, 401 bad key, 404 unknown model or route, 429 when
+every batch slot and queue place is taken, 503 when the engine thread is not running. A client that
+disconnects (or closes an event stream) cancels its requests, which frees their slots at the next step.
+
+Extensions beyond OpenAI's parameters (as vLLM spells them): `top_k`, `repetition_penalty`, `ignore_eos`,
+`skip_special_tokens`; chat replies carry `reasoning_content` (DeepSeek's field name) for the
+`<|think|>` part. See https://platform.openai.com/docs/api-reference for the wire format.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3.serve.chat import ChatFormatError, ChatOutputParser, parse_reply, render, stop_token_ids
+from k3.serve.engine import ContextLengthError, Engine, EngineFull, TokenEvent
+from k3.serve.sampling import SamplingError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_N = 16
+COMMON_KEYS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+               "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "top_k",
+               "repetition_penalty", "ignore_eos", "skip_special_tokens", "metadata", "store", "service_tier"}
+COMPLETION_KEYS = COMMON_KEYS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_KEYS = COMMON_KEYS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                           "reasoning_effort", "response_format", "top_logprobs", "functions", "function_call"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------- the engine thread
+class EngineWorker:
+    """Runs `engine.step()` in one daemon thread; an exception fails the in-flight requests, not the server."""
+
+    def __init__(self, engine: Engine, threads: int | None = None):
+        self.engine, self.threads = engine, threads
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.engine.wake()
+        self._thread.join(timeout)
+        if self.engine.has_work():
+            self.engine.fail_all("the server is shutting down")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def _run(self) -> None:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        while not self._stop.is_set():
+            if not self.engine.wait_for_work(0.05):
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # noqa: BLE001 - keep serving; the requests in flight get the error
+                log.exception("engine step failed")
+                self.engine.fail_all(f"internal error in the engine: {type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------------- loading
+def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None,
+                     config_path: str | os.PathLike | None = None, device: str = "cpu"):
+    """(model, tokenizer, manifest) with every mismatch found now, not at the first request."""
+    from k3.config import K3Config
+    from k3.data import load_tokenizer
+    from k3.train.checkpoint import check_config
+    from k3.train.trainer import load_trained_model
+
+    model, manifest = load_trained_model(ckpt, device)
+    if config_path is not None:
+        check_config(manifest.get("config"), K3Config.from_dict(json.loads(Path(config_path).read_text())),
+                     f"{manifest['path']}/manifest.json")
+    tok_path = tokenizer_path or manifest.get("data", {}).get("tokenizer")
+    if not tok_path:
+        raise ValueError(f"the checkpoint {manifest['path']} does not name its tokenizer; pass --tokenizer PATH")
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    data_dir = manifest.get("data", {}).get("data_dir")
+    if data_dir and (Path(data_dir) / "train.json").is_file():
+        want = json.loads((Path(data_dir) / "train.json").read_text()).get("tokenizer_hash")
+        if want and want != tokenizer.fingerprint:
+            raise ValueError(f"tokenizer {tok_path} is not the one the model's training data ({data_dir}) was "
+                             "tokenized with; pass that tokenizer.json")
+    return model, tokenizer, manifest
+
+
+# ---------------------------------------------------------------------- request parsing
+async def _json_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _check_keys(body: dict, allowed: set[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise bad(f"unrecognized request argument supplied: {key}", key, "unknown_parameter")
+
+
+def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise bad(f"{name} = {v!r} is invalid: {what or 'wrong type'}", name)
+    return v
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = _get(body, name, (int, float), default, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise bad(f"{name} = {v!r} is invalid: must be a number in {'(' if lo_open else '['}{lo}, {hi}]", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    want = f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+    v = _get(body, name, (int,), default, want)
+    if v is not None and (v < lo or (hi is not None and v > hi)):
+        raise bad(f"{name} = {v!r} is invalid: {want}", name)
+    return v
+
+
+def _sampling(body: dict, max_tokens: int | None) -> SamplingParams:
+    """SamplingParams from the OpenAI fields; max_tokens None means 'fill in the default later'."""
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                             or not all(isinstance(s, str) and s for s in stop)):
+        raise bad(f"stop = {stop!r} is invalid: must be a non-empty string or a list of up to 4 of them", "stop")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported by this server", "logit_bias", "unsupported_parameter")
+    seed = _get(body, "seed", (int,), None, "must be an integer")
+    p = SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_integer(body, "top_k", 0, 0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 1e4, lo_open=True),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        stop=tuple(stop or ()), seed=seed,
+        ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "must be true or false")),
+        skip_special_tokens=bool(_get(body, "skip_special_tokens", (bool,), False, "must be true or false")),
+    )
+    try:
+        return p.validate()
+    except SamplingError as e:
+        raise bad(str(e), e.param) from None
+
+
+def _max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        v = _integer(body, name, None, 1)
+        if v is not None:
+            return v
+    return None
+
+
+def _stream_options(body: dict) -> bool:
+    stream = _get(body, "stream", (bool,), False, "must be true or false")
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
+        raise bad("stream_options must be {'include_usage': bool}", "stream_options")
+    if not stream:
+        raise bad("stream_options is only allowed with stream = true", "stream_options")
+    return bool(opts.get("include_usage", False))
+
+
+# ---------------------------------------------------------------------- the app
+def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int = 256,
+               api_key: str | None = None, worker_threads: int | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` (which must have a tokenizer) under the model id `model_name`."""
+    if engine.tokenizer is None:
+        raise ValueError("the server needs an Engine with a tokenizer")
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens = {default_max_tokens} must be >= 1")
+    tok = engine.tokenizer
+    worker = EngineWorker(engine, worker_threads)
+    created = int(time.time())
+    chat_stops = stop_token_ids(tok)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="k3", lifespan=lifespan)
+    app.state.engine, app.state.worker, app.state.model_name = engine, worker, model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
+
+    def check_auth(request: Request) -> None:
+        # a plain check in each handler: an HTTP middleware would sit between the stream and disconnects
+        if api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
+            raise APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "k3",
+                "max_model_len": engine.max_context}
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if worker.alive else "unavailable", "model": model_name, **engine.stats()}
+        return JSONResponse(body, status_code=200 if worker.alive else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_auth(request)
+        if model_id != model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    def check_model(body: dict) -> None:
+        m = body.get("model")
+        if not isinstance(m, str) or not m:
+            raise bad("model is required: a string naming the model (GET /v1/models lists it)", "model",
+                      "missing_required_parameter" if m is None else "invalid_value")
+        if m != model_name:
+            raise APIError(404, f"the model {m!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    def fit(ids: list[int], params: SamplingParams, explicit: int | None, param: str) -> SamplingParams:
+        ctx = engine.max_context
+        room = ctx - len(ids)
+        if room < 1:
+            raise bad(f"this model's maximum context length is {ctx} tokens, but the prompt has {len(ids)} tokens "
+                      "(no room left to generate); shorten it", param, "context_length_exceeded")
+        if explicit is not None and explicit > room:
+            raise bad(f"this model's maximum context length is {ctx} tokens, but {len(ids) + explicit} were "
+                      f"requested ({len(ids)} in the prompt, {explicit} max_tokens); shorten the prompt or lower "
+                      "max_tokens", param, "context_length_exceeded")
+        return dataclasses.replace(params, max_tokens=explicit if explicit is not None
+                                   else min(room, params.max_tokens))
+
+    def submit_all(jobs: list[tuple[int, list[int], SamplingParams]], events: "_Events") -> list:
+        reqs = []
+        try:
+            for index, ids, params in jobs:
+                reqs.append(engine.submit(ids, params, events.callback(index)))
+        except EngineFull as e:
+            for r in reqs:
+                engine.cancel(r)
+            raise APIError(429, f"{e}", "requests", code="rate_limit_exceeded") from None
+        except ContextLengthError as e:
+            for r in reqs:
+                engine.cancel(r)
+            raise bad(str(e), "prompt", "context_length_exceeded") from None
+        except ValueError as e:
+            for r in reqs:
+                engine.cancel(r)
+            raise bad(str(e)) from None
+        return reqs
+
+    def check_worker() -> None:
+        if not worker.alive:
+            raise APIError(503, "the generation engine is not running; retry later", "server_error",
+                           code="engine_unavailable")
+
+    # ------------------------------------------------------------------ /v1/completions
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        body = await _json_body(request)
+        _check_keys(body, COMPLETION_KEYS)
+        check_model(body)
+        check_worker()
+        prompts = _completion_prompts(body.get("prompt", None), tok)
+        n = _integer(body, "n", 1, 1, MAX_N)
+        best_of = _integer(body, "best_of", None, 1)
+        if best_of is not None and best_of != n:
+            raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
+        if body.get("suffix"):
+            raise bad("suffix (insertion) is not supported", "suffix", "unsupported_parameter")
+        if body.get("logprobs") not in (None, 0):
+            raise bad("logprobs is not supported by this server", "logprobs", "unsupported_parameter")
+        echo = bool(_get(body, "echo", (bool,), False, "must be true or false"))
+        stream = bool(_get(body, "stream", (bool,), False, "must be true or false"))
+        include_usage = _stream_options(body)
+        explicit = _max_tokens(body, "max_tokens")
+        base = _sampling(body, 16)
+        jobs = []
+        for pi, ids in enumerate(prompts):
+            fitted = fit(ids, base, explicit, "prompt")
+            for j in range(n):
+                seed = None if base.seed is None else base.seed + j
+                jobs.append((pi * n + j, ids, dataclasses.replace(fitted, seed=seed)))
+        events = _Events(asyncio.get_running_loop(), final_only=not stream)
+        reqs = submit_all(jobs, events)
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(p) for p in prompts)
+        echoes = [tok.decode(prompts[i // n]) if echo else "" for i in range(len(reqs))]
+
+        def usage() -> dict:
+            c = sum(len(r.output_ids) for r in reqs)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c}
+
+        if stream:
+            async def chunks():
+                first = [True] * len(reqs)
+                async for index, ev in events.stream(len(reqs)):
+                    if ev.finish_reason == "error":
+                        yield _sse(APIError(500, ev.request.error or "generation failed", "server_error").body())
+                        continue
+                    text = (echoes[index] if first[index] else "") + ev.text
+                    first[index] = False
+                    if not text and ev.finish_reason is None:
+                        continue
+                    yield _sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                                "choices": [{"index": index, "text": text, "logprobs": None,
+                                             "finish_reason": ev.finish_reason}]})
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                                "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
+
+            return _CancellingStream(chunks(), lambda: [engine.cancel(r) for r in reqs])
+
+        if not await events.wait_all(reqs, request, engine):
+            return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
+        _raise_failed(reqs)
+        choices = [{"index": i, "text": echoes[i] + r.text, "logprobs": None, "finish_reason": r.finish_reason}
+                   for i, r in enumerate(reqs)]
+        return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": choices,
+                "usage": usage()}
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        body = await _json_body(request)
+        _check_keys(body, CHAT_KEYS)
+        check_model(body)
+        check_worker()
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise bad("logprobs is not supported by this server", "logprobs", "unsupported_parameter")
+        if body.get("functions") or body.get("function_call"):
+            raise bad("functions / function_call are deprecated; use tools", "functions", "unsupported_parameter")
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            raise bad("only response_format {'type': 'text'} is supported", "response_format", "unsupported_parameter")
+        tool_choice = body.get("tool_choice")
+        if tool_choice not in (None, "auto", "none"):
+            raise bad("tool_choice must be 'auto' or 'none' on this server", "tool_choice", "unsupported_parameter")
+        tools = body.get("tools") if tool_choice != "none" else None
+        n = _integer(body, "n", 1, 1, MAX_N)
+        stream = bool(_get(body, "stream", (bool,), False, "must be true or false"))
+        include_usage = _stream_options(body)
+        explicit = _max_tokens(body, "max_completion_tokens", "max_tokens")
+        base = _sampling(body, default_max_tokens)
+        base = dataclasses.replace(base, stop_token_ids=tuple(sorted(set(base.stop_token_ids) | set(chat_stops))))
+        try:
+            ids = render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
+        except ChatFormatError as e:
+            raise bad(str(e), e.param) from None
+        fitted = fit(ids, base, explicit, "messages")
+        jobs = [(j, ids, dataclasses.replace(fitted, seed=None if base.seed is None else base.seed + j))
+                for j in range(n)]
+        events = _Events(asyncio.get_running_loop(), final_only=not stream)
+        reqs = submit_all(jobs, events)
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def usage() -> dict:
+            c = sum(len(r.output_ids) for r in reqs)
+            return {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}
+
+        def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+        if stream:
+            async def chunks():
+                parsers = [ChatOutputParser() for _ in reqs]
+                for i in range(len(reqs)):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                async for index, ev in events.stream(len(reqs)):
+                    if ev.finish_reason == "error":
+                        yield _sse(APIError(500, ev.request.error or "generation failed", "server_error").body())
+                        continue
+                    p = parsers[index]
+                    for kind, value in p.feed(ev.text, final=ev.finish_reason is not None):
+                        if kind == "tool_call":
+                            yield chunk(index, {"tool_calls": [value.to_openai(len(p.tool_calls) - 1)]})
+                        else:
+                            yield chunk(index, {"content" if kind == "content" else "reasoning_content": value})
+                    if ev.finish_reason is not None:
+                        yield chunk(index, {}, "tool_calls" if p.tool_calls else ev.finish_reason)
+                if include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
+                                "choices": [], "usage": usage()})
+                yield "data: [DONE]\n\n"
+
+            return _CancellingStream(chunks(), lambda: [engine.cancel(r) for r in reqs])
+
+        if not await events.wait_all(reqs, request, engine):
+            return JSONResponse({}, status_code=499)
+        _raise_failed(reqs)
+        choices = []
+        for i, r in enumerate(reqs):
+            content, reasoning, calls = parse_reply(r.text)
+            msg = {"role": "assistant", "content": content}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if calls:
+                msg["tool_calls"] = [c.to_openai() for c in calls]
+            choices.append({"index": i, "message": msg, "logprobs": None,
+                            "finish_reason": "tool_calls" if calls else r.finish_reason})
+        return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "choices": choices,
+                "usage": usage()}
+
+    return app
+
+
+def _completion_prompts(prompt, tok) -> list[list[int]]:
+    """OpenAI's four prompt forms: str, [str], [int], [[int]]. An empty prompt starts a new document."""
+    def ids_of(text: str) -> list[int]:
+        return tok.encode(text) if text else [tok.eos_id]
+
+    if prompt is None:
+        raise bad("prompt is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, str):
+        return [ids_of(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [ids_of(p) for p in prompt]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt = [prompt]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            V = tok.vocab_size
+            if any(not 0 <= t < V for p in prompt for t in p):
+                raise bad(f"prompt token ids must lie in [0, {V})", "prompt")
+            return [list(p) for p in prompt]
+    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists", "prompt")
+
+
+def _raise_failed(reqs) -> None:
+    for r in reqs:
+        if r.finish_reason == "error":
+            raise APIError(500, r.error or "generation failed", "server_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Events:
+    """Engine events (from the engine thread) into an asyncio queue on the server's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, final_only: bool = False):
+        self.loop, self.queue, self.final_only = loop, asyncio.Queue(), final_only
+
+    def callback(self, index: int):
+        def on_event(ev: TokenEvent) -> None:
+            if ev.finish_reason is not None or not self.final_only:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, ev))
+        return on_event
+
+    async def stream(self, n: int):
+        """(index, event) until all n requests finished."""
+        left = n
+        while left:
+            index, ev = await self.queue.get()
+            if ev.finish_reason is not None:
+                left -= 1
+            yield index, ev
+
+    async def wait_all(self, reqs, request: Request, engine: Engine, poll_s: float = 0.1) -> bool:
+        """Wait for every request to finish; False (and the requests cancelled) if the client went away.
+        Make `self` with final_only=True, or token events keep the poll for a disconnect from running."""
+        left = len(reqs)
+        try:
+            while left:
+                try:
+                    _, ev = await asyncio.wait_for(self.queue.get(), poll_s)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return False
+                    continue
+                if ev.finish_reason is not None:
+                    left -= 1
+            return True
+        finally:
+            if left:
+                for r in reqs:
+                    engine.cancel(r)
+
+
+class _CancellingStream(StreamingResponse):
+    """An SSE response that cancels its engine requests however it ends (done, error or disconnect)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

@@ -1,0 +1,28 @@
+"""`k3 train --nproc/--ep/--fsdp/--pp` refuses a mesh that does not factor before starting any process;
+`k3 mesh` lays out the ranks; the torchrun re-launch command is well formed."""
+from k3.cli import main
+from k3.parallel.cli import _without_nproc
+from k3.parallel.launch import torchrun_command
+
+
+def test_train_refuses_a_world_that_does_not_factor(capsys):
+    assert main(["train", "--preset", "tiny", "--nproc", "3", "--ep", "2"]) == 2
+    assert "does not factor" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--ep", "2"]) == 2
+    assert "need several processes" in capsys.readouterr().err
+
+
+def test_mesh_command(capsys):
+    assert main(["mesh", "--preset", "mini", "--nproc", "16", "--ep", "8", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pp 2 x dp 8" in out and "8 per EP rank" in out
+    assert "layer 4: 3" in out  # Block AttnRes: the embedding + two finished blocks cross the boundary
+    assert main(["mesh", "--preset", "mini", "--nproc", "64", "--ep", "7"]) == 2
+
+
+def test_relaunch_command():
+    argv = _without_nproc(["train", "--nproc", "4", "--ep", "2", "--nproc=4", "--steps", "3"])
+    assert argv == ["train", "--ep", "2", "--steps", "3"]
+    cmd = torchrun_command(4, argv)
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
+    assert cmd[6:] == ["k3.cli", *argv]

@@ -1,0 +1,50 @@
+"""`k3 plan` end to end, in process (tiny preset)."""
+import json
+
+from k3.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(capsys, *argv):
+    code = main(["plan", "--preset", "tiny", "--hardware", "h100", "--context", "1024", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_table_and_json(capsys):
+    code, out, _ = _run(capsys, "--pp", "2", "--batch", "2")
+    assert code == 0
+    for section in ("memory", "bandwidth (decode)", "communication", "compute", "latency"):
+        assert f"\n{section}\n" in out
+    assert "MLA latent cache" in out and "time to first token" in out
+    code, out, _ = _run(capsys, "--json", "--train", "--dp", "2", "--ep", "2")
+    d = json.loads(out)
+    assert code == 0 and d["plan"]["mode"] == "train"
+    assert {"memory", "communication", "compute", "latency"} <= set(d["plan"])
+    assert d["plan"]["memory"]["activations_checkpointing"] > 0
+
+
+def test_what_ifs_and_min_gpus(capsys):
+    code, out, _ = _run(capsys, "--what-if", "no-latentmoe,bf16-experts")
+    assert code == 0 and "no-latentmoe" in out and "x2 " in out  # the a2a column doubles
+    code, out, _ = _run(capsys, "--min-gpus", "--json")
+    assert code == 0 and json.loads(out)["min_gpus"]["gpus"] == 1  # tiny fits on one H100
+
+
+def test_errors_are_one_line(capsys):
+    code, _, err = _run(capsys, "--tp", "3")
+    assert code == 2 and "tensor-parallel sizes that fit: 1, 2" in err and "Traceback" not in err
+    code, _, err = _run(capsys, "--hardware", "tpu9")
+    assert code == 2 and "unknown hardware 'tpu9'" in err
+    code, _, err = _run(capsys, "--context", "0")
+    assert code == 2 and "context = 0 must be a positive number" in err
+    code, _, err = _run(capsys, "--what-if", "no-kda")
+    assert code == 2 and "unknown ['no-kda']" in err
+
+
+def test_plot(tmp_path, capsys):
+    path = tmp_path / "walls.png"
+    code, out, _ = _run(capsys, "--plot", str(path), "--what-if", "all-kda", "--json")
+    assert code == 0 and path.read_bytes()[:8] == PNG
+    assert json.loads(out)["plot"] == str(path)

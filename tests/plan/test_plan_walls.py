@@ -1,0 +1,181 @@
+"""The planner's walls, layouts, what-ifs and hardware presets (on the tiny preset, so every plan is instant)."""
+import re
+from pathlib import Path
+
+import pytest
+
+from k3.config import get_config
+from k3.model import accounting as acc
+from k3.plan import Layout, Options, check_layout, load_hardware, min_gpus_to_serve, plan, preset_names
+from k3.plan.walls import stages
+from k3.plan.whatif import WHAT_IFS, what_ifs
+
+TINY = get_config("tiny")  # 4 layers (KKKM), 2 + 2 heads, 8 experts top-2, d 64, latent 32
+SMALL_GPU = dict(name="toy", description="a tiny GPU for tests", memory_gb=0.0005, hbm_tb_s=1.0, nvlink_gb_s=100.0,
+                 nvlink_domain=4, network_gb_s=10.0, tflops={"bf16": 100.0, "fp8": 200.0, "fp4": None})
+
+
+def _serve(**kw):
+    return Options(context=kw.pop("context", 512), **kw)
+
+
+@pytest.fixture
+def toy_yaml(tmp_path):
+    import yaml
+
+    path = tmp_path / "toy.yaml"
+    path.write_text(yaml.safe_dump(SMALL_GPU))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("layout,pattern", [
+    (Layout(tp=3), r"tp = 3 does not divide .*kda_heads = 2.*sizes that fit: 1, 2"),
+    (Layout(ep=3, dp=3), r"ep = 3 does not divide n_experts = 8; .*fit: 1, 2, 4, 8"),
+    (Layout(ep=4, dp=2), r"ep = 4 must divide tp x dp = 2.*ep in 1, 2"),
+    (Layout(pp=5), r"pp = 5 exceeds n_layers = 4; pipeline sizes that fit: 1 \.\. 4"),
+    (Layout(tp=0), r"--tp = 0 must be a positive integer"),
+])
+def test_bad_layouts_name_what_fits(layout, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_layout(TINY, layout)
+    with pytest.raises(ValueError, match=pattern):
+        plan(TINY, "h100", layout, _serve())
+
+
+def test_bad_hardware_and_context(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown hardware 'h300'; presets: b200, gb200-nvl72, h100, h200"):
+        plan(TINY, "h300", Layout(), _serve())
+    for ctx in (0, -5):
+        with pytest.raises(ValueError, match="context = .* must be a positive number of tokens"):
+            plan(TINY, "h100", Layout(), Options(context=ctx))
+    with pytest.raises(ValueError, match="exceeds tiny's max_context = 2048"):
+        plan(TINY, "h100", Layout(), Options(context=4096))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmemory_gb: -1\n")
+    with pytest.raises(ValueError, match="missing fields"):
+        load_hardware(str(bad))
+    with pytest.raises(FileNotFoundError):
+        load_hardware(str(tmp_path / "none.yaml"))
+
+
+# ---------------------------------------------------------------------------------------------- hardware
+def test_presets_load_and_are_documented():
+    doc = (Path(__file__).parents[2] / "docs" / "planner.md").read_text()
+    assert set(preset_names()) == {"h100", "h200", "b200", "gb200-nvl72"}
+    for name in preset_names():
+        hw = load_hardware(name)
+        assert hw.memory_gb > 0 and hw.hbm_tb_s > 0 and hw.tflops["bf16"] > 0
+        # every preset number appears in the docs' sourced table row of that GPU
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
+        for v in (hw.memory_gb, hw.hbm_tb_s, hw.nvlink_gb_s, hw.network_gb_s, *[x for x in hw.tflops.values() if x]):
+            assert re.search(rf"\b{v:g}\b", row.replace(",", "")), (name, v, row)
+    assert load_hardware("h100").peak_flops("fp4") == (1978.9e12, "fp8")  # no FP4 on Hopper: FP8 instead
+    assert load_hardware("b200").peak_flops("fp4")[1] == "fp4"
+
+
+def test_user_yaml(toy_yaml):
+    hw = load_hardware(toy_yaml)
+    assert hw.name == "toy" and hw.nvlink_domain == 4
+    r = plan(TINY, toy_yaml, Layout(), _serve())
+    assert r["hardware"]["name"] == "toy"
+
+
+# ---------------------------------------------------------------------------------------------- the walls
+JSON_KEYS = {"config", "mode", "hardware", "layout", "options", "fits", "memory", "bandwidth", "communication",
+             "compute", "latency", "stages"}
+
+
+def test_serve_plan_keys_and_sums():
+    r = plan(TINY, "h100", Layout(), _serve(batch=3))
+    assert set(r) == JSON_KEYS
+    m = r["memory"]
+    assert {"weights", "mla_latent_cache", "kda_state_cache", "cache_per_sequence", "total", "capacity", "fits"} <= set(m)
+    assert m["weights"] == acc.param_bytes(TINY, acc.Precision())["bytes"]  # one GPU holds everything
+    c = acc.cache_bytes(TINY, 512, 3)
+    assert m["mla_latent_cache"] + m["kda_state_cache"] == pytest.approx(c["total"])
+    assert {"bytes_read_per_token", "tokens_per_s_bound"} <= set(r["bandwidth"])
+    assert {"a2a_bytes_per_token_per_moe_layer", "ep_a2a_bytes_per_decode_step", "pp_bytes_per_microbatch",
+            "pp_bytes_per_microbatch_full_attnres", "tp_allreduce_bytes_per_decode_step"} <= set(r["communication"])
+    assert {"flops_per_token_forward", "flops_per_token_backward", "prefill_flops"} <= set(r["compute"])
+    assert {"decode_per_token_bound_s", "ttft_bound_s", "tokens_per_s_bound"} <= set(r["latency"])
+    assert r["communication"]["ep_a2a_bytes_per_decode_step"] == 0  # ep = 1: nothing leaves the GPU
+
+
+def test_layout_splits_the_weights():
+    one = plan(TINY, "h100", Layout(), _serve())["memory"]["weights"]
+    prec = acc.Precision()
+    routed = acc.param_bytes(TINY, prec)["by_component"]["moe_routed"]["bytes"]
+    two = plan(TINY, "h100", Layout(ep=2, dp=2), _serve())["memory"]["weights"]
+    assert two == pytest.approx(one - routed / 2)  # experts split over 2 GPUs, the rest replicated
+    r = plan(TINY, "h100", Layout(pp=2), _serve())
+    assert sum(s["memory"]["weights"] for s in r["stages"]) == pytest.approx(one)  # stages partition the model
+    assert [list(x) for x in stages(93, 8)][0] == list(range(12)) and len(stages(93, 8)[-1]) == 11
+    tp = plan(TINY, "h100", Layout(tp=2), _serve())["memory"]
+    assert tp["weights"] < one and tp["kda_state_cache"] == pytest.approx(
+        plan(TINY, "h100", Layout(), _serve())["memory"]["kda_state_cache"] / 2)
+
+
+def test_memory_grows_with_context_only_through_mla():
+    a, b = (plan(TINY, "h100", Layout(), _serve(context=n))["memory"] for n in (256, 1024))
+    assert b["mla_latent_cache"] == 4 * a["mla_latent_cache"]
+    assert b["kda_state_cache"] == a["kda_state_cache"]
+
+
+def test_train_plan():
+    r = plan(TINY, "h100", Layout(pp=2, dp=2, ep=2), Options(mode="train", context=256, batch=2))
+    assert set(r) == JSON_KEYS and r["bandwidth"] is None
+    m = r["memory"]
+    for k in ("weights", "gradients", "optimizer_and_master", "activations_no_checkpointing",
+              "activations_checkpointing", "total", "total_no_checkpointing"):
+        assert m[k] > 0, k
+    assert m["activations_checkpointing"] < m["activations_no_checkpointing"]
+    c = r["communication"]
+    assert c["dp_grad_reduce_bytes_per_step"] > 0 and c["ep_a2a_bytes_per_step"] > 0
+    assert r["compute"]["flops_per_token_backward"] == 2 * r["compute"]["flops_per_token_forward"]
+    zero0 = plan(TINY, "h100", Layout(dp=2), Options(mode="train", context=256, zero=0))["memory"]
+    zero1 = plan(TINY, "h100", Layout(dp=2), Options(mode="train", context=256, zero=1))["memory"]
+    assert zero1["optimizer_and_master"] == pytest.approx(zero0["optimizer_and_master"] / 2)
+
+
+def test_pipeline_transfers_block_vs_full():
+    r = plan(TINY, "h100", Layout(pp=2), _serve(batch=1))
+    c = r["stages"][0]["communication"]
+    # tiny: blocks of 2 layers; a boundary before layer 2 carries the embedding and block 1 ...
+    assert c["pp_sources_at_boundary"] == 2
+    # ... Full AttnRes carries the embedding and all 4 sublayer outputs before it
+    assert c["pp_sources_at_boundary_full_attnres"] == 5
+    assert c["pp_bytes_per_microbatch"] == 2 * TINY.d_model * 2  # bf16, one token
+
+
+def test_min_gpus(toy_yaml):
+    opts = _serve(context=2048, prefill_chunk=16)
+    found = min_gpus_to_serve(TINY, toy_yaml, opts)
+    n = found["gpus"]
+    assert found["plan"]["fits"] and n > 1
+    # no layout of n - 1 GPUs fits (exhaustive over the same search space)
+    from k3.plan.walls import _divisors
+
+    for tp in _divisors(n - 1):
+        for pp in _divisors((n - 1) // tp):
+            dp = (n - 1) // (tp * pp)
+            try:
+                r = plan(TINY, toy_yaml, Layout(tp=tp, ep=tp * dp, pp=pp, dp=dp), opts)
+            except ValueError:
+                continue
+            assert not r["fits"]
+
+
+# ---------------------------------------------------------------------------------------------- what-ifs
+def test_what_ifs_move_the_expected_wall():
+    w = what_ifs(TINY, "h100", Layout(pp=2), _serve(context=1024), list(WHAT_IFS))
+    r = {n: w[n]["ratio"] for n in WHAT_IFS}
+    assert r["no-latentmoe"]["a2a_bytes_per_token_per_layer"] == 2  # d_model / latent = 64 / 32
+    assert r["bf16-experts"]["weights_gb"] > 1 and r["bf16-experts"]["a2a_bytes_per_token_per_layer"] == 1
+    assert r["full-attention"]["cache_gb_per_sequence"] > 1
+    assert r["all-kda"]["cache_gb_per_sequence"] < 1
+    assert r["full-attnres"]["pp_bytes_per_microbatch"] > 1
+    assert w["no-attnres"]["headline"]["pp_bytes_per_microbatch"] == TINY.d_model * 2  # just the residual
+    kda_only = [plan(get_config("tiny", layer_pattern="KKKK"), "h100", Layout(), _serve(context=n))["memory"]
+                for n in (256, 2048)]
+    assert kda_only[0]["cache_per_sequence"] == kda_only[1]["cache_per_sequence"]  # constant in context

@@ -1,0 +1,364 @@
+"""OpenAI-compatible server: the official `openai` client against a real uvicorn server on 127.0.0.1."""
+import concurrent.futures
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from k3.serve.chat import render, stop_token_ids
+from k3.serve.engine import Engine
+from k3.serve.sampling import SamplingParams
+from k3.serve.server import create_app, load_for_serving
+
+MODEL = "k3-test"
+
+
+def serve(engine: Engine, **kw):
+    return serve_app(create_app(engine, MODEL, **kw))
+
+
+@contextlib.contextmanager
+def serve_app(app):
+    """A uvicorn server in a thread on a free 127.0.0.1 port; yields the base URL; always shut down."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+        assert not thread.is_alive(), "the server did not shut down"
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model, serve_tokenizer):
+    with serve(Engine(tiny_model, serve_tokenizer, max_batch=4, max_queue=8, prefill_chunk=16)) as url:
+        yield url
+
+
+def _greedy(model, tok, ids, n, **kw) -> tuple[list[int], str]:
+    r = Engine(model, tok).generate([ids], SamplingParams(max_tokens=n, temperature=0, **kw))[0]
+    return r.output_ids, r.text
+
+
+# ---------------------------------------------------------------------- the happy paths
+def test_models_and_health(server_url, tiny_model):
+    models = client(server_url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client(server_url).models.retrieve(MODEL).id == MODEL
+    h = httpx.get(server_url + "/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL and h["max_batch"] == 4
+
+
+def test_completion_text_and_usage(server_url, tiny_model, serve_tokenizer):
+    tok = serve_tokenizer
+    ids = tok.encode("def main():")
+    want_ids, want_text = _greedy(tiny_model, tok, ids, 12)
+    r = client(server_url).completions.create(model=MODEL, prompt="def main():", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want_text
+    assert r.choices[0].finish_reason == ("stop" if len(want_ids) < 12 else "length")
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(want_ids)
+    assert r.usage.total_tokens == len(ids) + len(want_ids)
+    # token-id prompts, n choices with seeds, echo
+    r2 = client(server_url).completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=5, temperature=0.9,
+                                               seed=11, n=2, echo=True)
+    assert [c.index for c in r2.choices] == [0, 1, 2, 3]
+    assert r2.choices[0].text.startswith("def main():")
+    assert r2.usage.prompt_tokens == len(ids) + 3
+    r3 = client(server_url).completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=5, temperature=0.9,
+                                               seed=11, n=2, echo=True)
+    assert [c.text for c in r3.choices] == [c.text for c in r2.choices]  # seeded: reproducible
+
+
+def test_chat_completion_and_usage(server_url, tiny_model, serve_tokenizer):
+    tok = serve_tokenizer
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Say hi."}]
+    r = client(server_url).chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    prompt = render(messages, tok)
+    assert r.usage.prompt_tokens == len(prompt)
+    out = Engine(tiny_model, tok).generate([prompt], SamplingParams(
+        max_tokens=10, temperature=0, stop_token_ids=stop_token_ids(tok)))[0]
+    assert r.usage.completion_tokens == len(out.output_ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # tools and a tool result are accepted and rendered
+    r = client(server_url).chat.completions.create(
+        model=MODEL, max_tokens=3, temperature=0,
+        messages=messages + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "hi", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "hello"}],
+        tools=[{"type": "function", "function": {"name": "hi", "parameters": {"type": "object"}}}])
+    assert r.usage.completion_tokens >= 1
+
+
+def test_streaming_completion_and_chat(server_url, tiny_model, serve_tokenizer):
+    c = client(server_url)
+    full = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=15, temperature=0)
+    chunks = list(c.completions.create(model=MODEL, prompt="import os\n", max_tokens=15, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len(chunks) > 3  # really streamed, token by token
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    parts = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+    # the raw wire format: SSE `data:` lines, ending in [DONE]
+    with httpx.stream("POST", server_url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+# ---------------------------------------------------------------------- errors
+def _error(resp: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_bad_requests_get_openai_errors(server_url, tiny_model):
+    http = httpx.Client(base_url=server_url, timeout=30)
+    post = lambda path, body: http.post(path, json=body)  # noqa: E731
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    _error(r, 400, code="invalid_json")
+    _error(post("/v1/completions", [1, 2]), 400, code="invalid_json")
+    _error(post("/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model", "model_not_found")
+    _error(post("/v1/completions", {"prompt": "x"}), 400, "model")
+    _error(post("/v1/completions", {"model": MODEL}), 400, "prompt")
+    cases = [("temperature", -0.5), ("temperature", 2.5), ("temperature", "hot"), ("max_tokens", 0),
+             ("max_tokens", 1.5), ("top_p", 0), ("top_p", 1.2), ("n", 0), ("top_k", -2), ("seed", "x"),
+             ("stop", ["a", "b", "c", "d", "e"]), ("presence_penalty", 3), ("stream", "yes")]
+    for field, value in cases:
+        _error(post("/v1/completions", {"model": MODEL, "prompt": "x", field: value}), 400, field)
+        _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                             field: value}), 400, field)
+    _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}), 400, "frobnicate")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": [0, 99999]}), 400, "prompt")
+    _error(post("/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "y"}]}), 400, "messages")
+    ctx = tiny_model.config.max_context
+    long_prompt = list(range(20, 40)) * (ctx // 20 + 1)
+    _error(post("/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400, "prompt", "context_length_exceeded")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": [20] * (ctx - 5), "max_tokens": 10}), 400, "prompt",
+           "context_length_exceeded")
+    long_chat = [{"role": "user", "content": "word " * ctx}]
+    _error(post("/v1/chat/completions", {"model": MODEL, "messages": long_chat}), 400, "messages",
+           "context_length_exceeded")
+    _error(http.get("/v1/nothing-here"), 404)
+    # the official client maps them to its exception types
+    with pytest.raises(openai.NotFoundError):
+        client(server_url).completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server_url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                   temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    assert http.get("/health").json()["status"] == "ok"  # still serving
+    http.close()
+
+
+def test_overload_gets_429_not_a_hang(tiny_model, serve_tokenizer):
+    engine = Engine(tiny_model, serve_tokenizer, max_batch=1, max_queue=1)
+    with serve(engine) as url:
+        def one(_):
+            return httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 40, "ignore_eos": True})
+
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            codes = [r.status_code for r in pool.map(one, range(6))]
+        assert time.monotonic() - t0 < 60
+        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+        r = one(0)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+        small = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=small).status_code == 200
+        with pytest.raises(openai.RateLimitError):  # what the client sees when it is full
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futs = [pool.submit(client(url).completions.create, model=MODEL, prompt="x", max_tokens=40,
+                                    extra_body={"ignore_eos": True}) for _ in range(4)]
+                for f in futs:
+                    f.result()
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def _wait_idle(url: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(url + "/health").json()
+        if h["running"] + h["waiting"] + h["prefilling"] == 0 or time.monotonic() > deadline:
+            return h
+
+
+def test_client_disconnect_frees_the_slot(tiny_model, serve_tokenizer):
+    engine = Engine(tiny_model, serve_tokenizer, max_batch=1, max_queue=0)
+    with serve(engine) as url:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "ignore_eos": True}
+        # a stream closed after its first chunk
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+            assert resp.status_code == 200
+            next(resp.iter_lines())
+        h = _wait_idle(url)
+        assert h["running"] == 0, h
+        # a plain request whose client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        h = _wait_idle(url)
+        assert h["running"] == 0, h
+        ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200  # the one slot is free again (max_queue = 0: a busy slot would be 429)
+    assert engine.steps < 1500
+
+
+class FlakyEngine(Engine):
+    """Fails its next decode step, as an unexpected bug inside the model would."""
+
+    fail_next = False
+
+    def _decode(self, done):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        super()._decode(done)
+
+
+def test_engine_failure_stopped_worker_and_api_key(tiny_model, serve_tokenizer):
+    engine = FlakyEngine(tiny_model, serve_tokenizer)
+    app = create_app(engine, MODEL, api_key="sekrit")
+    with serve_app(app) as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url).models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0, timeout=30)
+        assert good.models.list().data[0].id == MODEL
+        auth = {"Authorization": "Bearer sekrit"}
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True}
+        engine.fail_next = True
+        err = _error(httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=30), 500)
+        assert "boom" in err["message"] and err["type"] == "server_error"
+        engine.fail_next = True
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=auth,
+                          timeout=30) as resp:
+            lines = [ln for ln in resp.iter_lines() if ln]
+        assert any('"error"' in ln and "boom" in ln for ln in lines) and lines[-1] == "data: [DONE]"
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=5).usage.completion_tokens >= 1
+        app.state.worker.stop()
+        assert httpx.get(url + "/health").status_code == 503
+        err = _error(httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=30), 503)
+        assert err["code"] == "engine_unavailable"
+
+
+# ---------------------------------------------------------------------- start-up checks and `k3 serve`
+def test_startup_rejects_mismatched_checkpoint_and_tokenizer(tiny_checkpoint, tmp_path, serve_tokenizer, capsys):
+    from k3.cli import main
+    from k3.data.tokenizer import train_tokenizer
+    from k3.train.checkpoint import latest_checkpoint
+
+    model, tok, manifest = load_for_serving(tiny_checkpoint)
+    assert tok.fingerprint == serve_tokenizer.fingerprint and model.config.vocab_size == 512
+
+    other = train_tokenizer(["some text for another tokenizer " * 50, "more words here " * 40], 300,
+                            path=tmp_path / "other", allow_short=True)
+    with pytest.raises(ValueError, match="vocab_size is 512"):
+        load_for_serving(tiny_checkpoint, other.path)
+    assert main(["serve", "--ckpt", str(tiny_checkpoint), "--tokenizer", str(other.path), "--port", "1"]) == 2
+    assert "pass the tokenizer the model was trained with" in capsys.readouterr().err
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**manifest["config"], "d_model": 128}))
+    with pytest.raises(ValueError, match="'d_model' is 64 in the checkpoint but 128"):
+        load_for_serving(tiny_checkpoint, config_path=cfg)
+    # a manifest whose config does not fit its weights
+    step = latest_checkpoint(tiny_checkpoint)
+    bad_root = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad_root)
+    mpath = bad_root / step.name / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["config"]["mla_kv_lora_rank"] = 16
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="kv_norm.weight.* has shape"):
+        load_for_serving(bad_root)
+    # a tokenizer of the right size that is not the one the training data was made with
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text(json.dumps({"tokenizer_hash": "0" * 64}))
+    m = json.loads((tiny_checkpoint / step.name / "manifest.json").read_text())
+    m["data"]["data_dir"] = str(data)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_checkpoint, swapped)
+    (swapped / step.name / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="not the one the model's training data"):
+        load_for_serving(swapped)
+
+
+def test_k3_serve_process(tiny_checkpoint):
+    """`k3 serve` as a real process: health, the openai client, clean shutdown on SIGINT."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--ckpt", str(tiny_checkpoint), "--port",
+                             str(port), "--max-batch", "2", "--threads", "1", "--log-level", "warning",
+                             "--model-name", MODEL], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "k3 serve did not come up"
+            time.sleep(0.2)
+        r = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(2)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"http://127.0.0.1:{port}/v1" in err
