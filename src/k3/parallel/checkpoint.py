@@ -10,6 +10,12 @@ DTensors already; expert weights (and moments) of a contiguous placement are wra
 over the EP mesh ([Replicate() over edp, Shard(0) over ep]) without copying. A balanced placement with
 replicas is not a DTensor layout, so its experts are gathered to full [E, ...] tensors (simple, but
 memory-hungry: fine for small models, not for the k3 preset).
+
+The optimizer state is stored flattened, one entry per parameter name (`state.<fqn>.<key>`,
+`param_groups.<fqn>.<key>`): with pipeline stages every rank holds different parameters, and per-group
+lists of names would collide between stages. Parameter names are those of the whole model on every stage
+(k3.parallel.pipeline.prune_to_stage), so a checkpoint resumes on another pp / dp / ep layout too.
+Format k3-dcp/1 (optimizer state nested by parameter group) still loads.
 """
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from k3.fileio import atomic_write_json, atomic_write_text, fsync_dir
@@ -30,7 +37,8 @@ from k3.parallel.expert import ExpertParallel
 
 log = logging.getLogger(__name__)
 
-FORMAT = "k3-dcp/1"
+FORMAT = "k3-dcp/2"
+FORMATS = ("k3-dcp/1", FORMAT)  # /1: optimizer state nested by parameter group (pp = 1 only)
 META, LATEST = "k3.json", "latest"
 
 __all__ = ["save", "load", "latest", "read_meta"]
@@ -53,25 +61,37 @@ def _logical(t: torch.Tensor, m: ExpertParallel, ep_mesh) -> torch.Tensor:
                               stride=stride)
 
 
+def _optim_slots(osd: dict, fqn: str) -> list[tuple[dict, str]]:
+    """(dict, key) of every optimizer-state entry of parameter `fqn`, flattened or nested (k3-dcp/1)."""
+    if isinstance(osd.get("state"), dict):
+        return [(osd["state"][fqn], k) for k in osd["state"].get(fqn, {})]
+    prefix = f"state.{fqn}."
+    return [(osd, k) for k in osd if k.startswith(prefix)]
+
+
+def _convert_experts(model, msd: dict, osd: dict, convert) -> tuple[dict, dict]:
+    """Apply convert(t, m) to every expert tensor of the model / optimizer state dicts (step counters,
+    0-dim, stay as they are); returns new dicts, leaving the optimizer's live state alone."""
+    msd = dict(msd)
+    osd = {**osd, "state": {k: dict(v) for k, v in osd["state"].items()}} if isinstance(osd.get("state"), dict) \
+        else dict(osd)
+    for fqn, (m, _) in _expert_fqns(model).items():
+        msd[fqn] = convert(msd[fqn], m)
+        for d, k in _optim_slots(osd, fqn):
+            if isinstance(d[k], torch.Tensor) and d[k].dim() > 0:
+                d[k] = convert(d[k], m)
+    return msd, osd
+
+
 def _wrap(model, ctx, msd: dict, osd: dict, gather_full: bool) -> tuple[dict, dict]:
     """Expert entries of the model / optimizer state dicts in logical form (for a load, `gather_full` False
     makes empty full-size targets for balanced placements)."""
-    experts = _expert_fqns(model)
-    # the returned dicts may be the optimizer's live state: copy each entry before swapping tensors in it
-    osd = {**osd, "state": {k: dict(v) for k, v in osd.get("state", {}).items()}}
-    for fqn, (m, w) in experts.items():
+    def logical(t, m):
         if m.placement.is_contiguous:
-            msd[fqn] = _logical(msd[fqn], m, ctx.ep_mesh)
-            for k, v in osd.get("state", {}).get(fqn, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    osd["state"][fqn][k] = _logical(v, m, ctx.ep_mesh)
-        else:
-            t = msd[fqn]
-            msd[fqn] = _gather(m, t) if gather_full else t.new_empty(m.n_experts, *t.shape[1:])
-            for k, v in osd.get("state", {}).get(fqn, {}).items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    osd["state"][fqn][k] = _gather(m, v) if gather_full else v.new_empty(m.n_experts, *v.shape[1:])
-    return msd, osd
+            return _logical(t, m, ctx.ep_mesh)
+        return _gather(m, t) if gather_full else t.new_empty(m.n_experts, *t.shape[1:])
+
+    return _convert_experts(model, msd, osd, logical)
 
 
 def _gather(m: ExpertParallel, t: torch.Tensor) -> torch.Tensor:
@@ -79,6 +99,10 @@ def _gather(m: ExpertParallel, t: torch.Tensor) -> torch.Tensor:
     full = t.new_empty(R * S, *t.shape[1:])
     comm.all_gather_single(full, t.detach().contiguous(), group=m.group, tag="ckpt_gather")
     return full[torch.tensor([r[0] for r in m.placement.replicas()])]
+
+
+def _options(fmt: str) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=fmt != "k3-dcp/1")
 
 
 def _optims(optimizer) -> list:
@@ -96,7 +120,7 @@ def save(root, step: int, model, optimizer, ctx, meta: dict, keep_last: int = 3)
             shutil.rmtree(tmp)
     comm.barrier()
     msd = get_model_state_dict(model)
-    osd = get_optimizer_state_dict(model, _optims(optimizer))
+    osd = get_optimizer_state_dict(model, _optims(optimizer), options=_options(FORMAT))
     msd, osd = _wrap(model, ctx, msd, osd, gather_full=True)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     comm.barrier()
@@ -135,26 +159,25 @@ def read_meta(path) -> dict:
         raise ValueError(f"no distributed checkpoint in {path} (expected {LATEST} or {META}); train with --out "
                          "and --ckpt-every to write one")
     meta = json.loads((found / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{found / META}: format {meta.get('format')!r} is not {FORMAT}")
+    if meta.get("format") not in FORMATS:
+        raise ValueError(f"{found / META}: format {meta.get('format')!r} is not one of {list(FORMATS)}")
     return {**meta, "path": str(found)}
 
 
 def load(path, model, optimizer, ctx) -> dict:
     """Collective: load model and optimizer state in place from `path` (a step dir or a root)."""
     meta = read_meta(path)
+    options = _options(meta["format"])
     msd = get_model_state_dict(model)
-    osd = get_optimizer_state_dict(model, _optims(optimizer))  # initialises empty optimizer state first
+    # initialises empty optimizer state first
+    osd = get_optimizer_state_dict(model, _optims(optimizer), options=options)
     msd, osd = _wrap(model, ctx, msd, osd, gather_full=False)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=meta["path"])
-    for fqn, (m, _) in _expert_fqns(model).items():  # back to this rank's slots
-        local = (lambda t: t.to_local()) if m.placement.is_contiguous else (lambda t: full_from(t, m))
-        msd[fqn] = local(msd[fqn])
-        for k, v in osd["state"].get(fqn, {}).items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                osd["state"][fqn][k] = local(v)
+    # back to this rank's slots
+    msd, osd = _convert_experts(model, msd, osd,
+                                lambda t, m: t.to_local() if m.placement.is_contiguous else full_from(t, m))
     set_model_state_dict(model, msd)
-    set_optimizer_state_dict(model, _optims(optimizer), osd)
+    set_optimizer_state_dict(model, _optims(optimizer), osd, options=options)
     comm.barrier()
     return meta
 

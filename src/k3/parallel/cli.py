@@ -18,7 +18,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=int, default=1, help="processes on this machine; > 1 re-launches via torchrun")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (routed experts sharded over them)")
     g.add_argument("--fsdp", type=int, default=0, help="FSDP2 shard ranks for the non-expert weights (0 = all)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (training supports 1)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (GPipe over the --accum micro-batches; world = pp x data-parallel ranks)")
     g.add_argument("--ep-redundant", type=int, default=0, metavar="N",
                    help="with --resume: N redundant expert slots per EP rank, experts placed and hot ones "
                         "replicated from the loads the checkpoint observed (EPLB-style)")

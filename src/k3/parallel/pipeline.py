@@ -8,20 +8,31 @@ block (1 + j // S + [j % S > 0] with S sublayers per block); with `none`, one re
 bytes per micro-batch scale with the sources, not the layers, and Block AttnRes keeps them bounded by the
 block count: the design's count is `k3.model.accounting.pipeline_sources` (AttnRes.n_sources(2 * layer)).
 
-Schedule: GPipe (all micro-batch forwards, then the backwards in reverse). Each boundary message is a
-small int64 header (source counts, AttnRes step, block start, B, T) and one stacked [n_sources, B, T, D]
-tensor; gradients of that tensor travel back. The layer loop re-runs `K3Model.hidden_states` for a
-range of layers (k3.model.transformer), so the model code stays free of parallelism.
+Schedule: GPipe (all micro-batch forwards, then the backwards in the same order). Each boundary message is
+a small int64 header (source counts, AttnRes step, block start, B, T) and one stacked [n_sources, B, T, D]
+tensor; gradients of that tensor travel back. The stage's layer loop is `K3Model.hidden_states`' loop over
+a range of layers (k3.model.transformer), so the model code stays free of parallelism.
+
+For training, `prune_to_stage` first drops what a stage does not run (other stages' layers, the embedding
+off the first stage, the final norm and head off the last), keeping parameter names as in the whole model
+so that checkpoints are layout-free. The AttnRes pseudo-queries and key norms stay on every stage: each
+stage mixes with its own sublayers' queries (and a block that opens before the boundary re-runs its
+phase 1 with the block's earlier queries), so their gradient is the sum over stages (`stage_shared_params`).
+A `PipelineStage` runs through `model(...)` (its forward becomes the stage's), so FSDP2's root hooks
+all-gather and reduce-scatter the root parameters as in a whole-model forward.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from k3.model.attnres import AttnResState
 from k3.parallel import comm
 
-__all__ = ["stage_layers", "PipelineStage", "run_gpipe"]
+__all__ = ["stage_layers", "StageLayers", "prune_to_stage", "stage_shared_params", "PipelineStage", "run_gpipe"]
+
+HEADER = 6  # n_completed, n_current, AttnRes step, block start, B, T
 
 
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -37,32 +48,99 @@ def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     return out
 
 
+class StageLayers(nn.Module):
+    """A stage's blocks under their global layer indices: parameter names stay `layers.<i>....` as in the
+    whole model. Iterates over the blocks in order; `[i]` takes global layer i."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for i, b in sorted(blocks.items()):
+            self.add_module(str(i), b)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        if str(i) not in self._modules:
+            raise IndexError(f"layer {i} is not on this pipeline stage (it holds layers {list(self._modules)})")
+        return self._modules[str(i)]
+
+
+class _Elsewhere(nn.Module):
+    """Stands in for a module that another pipeline stage holds (no parameters)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args, **kwargs):
+        raise ValueError(f"{self.what} lives on another pipeline stage")
+
+
+def prune_to_stage(model, stage: int, n_stages: int) -> range:
+    """Keep only what stage `stage` of `n_stages` runs (in place): its layers, the embedding on the first
+    stage, the final norm and head on the last, the AttnRes parameters on all. Returns the layer range."""
+    if model.config.tie_embeddings and n_stages > 1:
+        raise ValueError("tie_embeddings shares one matrix between the first stage (embedding) and the last "
+                         "(head), which pipeline training does not reduce across stages; use --pp 1 or "
+                         "--set tie_embeddings=false")
+    if not 0 <= stage < n_stages:
+        raise ValueError(f"stage {stage} is outside 0 .. {n_stages - 1}")
+    if isinstance(model.layers, StageLayers):
+        raise ValueError("the model is already pruned to a pipeline stage")
+    layers = stage_layers(model.config.n_layers, n_stages)[stage]
+    model.layers = StageLayers({i: model.layers[i] for i in layers})
+    if stage > 0:
+        model.embed = _Elsewhere("the embedding")
+    if stage < n_stages - 1:
+        model.norm, model.head = _Elsewhere("the final norm"), _Elsewhere("the output head")
+    return layers
+
+
+def stage_shared_params(model) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) held by every stage: the AttnRes pseudo-queries and key norms."""
+    return [(n, p) for n, p in model.named_parameters() if n.startswith("attnres.")]
+
+
 class PipelineStage:
     """One stage of a K3Model: layers `stage_layers(...)[stage]`, plus the embedding (first stage) or the
-    final mix, norm and head (last stage). `ranks[s]` is the global rank running stage s."""
+    final mix, norm and head (last stage). `ranks[s]` is the global rank running stage s.
+
+    The model's forward becomes this stage's (first stage: input_ids [B, T]; others: the received sources
+    [n, B, T, D] and their header), so that module hooks (FSDP2) run around it."""
 
     def __init__(self, model, stage: int, n_stages: int, ranks: list[int] | None = None, group=None):
         if not 0 <= stage < n_stages:
             raise ValueError(f"stage {stage} is outside 0 .. {n_stages - 1}")
         self.model, self.stage, self.n_stages = model, stage, n_stages
-        self.layers = stage_layers(len(model.layers), n_stages)[stage]
+        self.layers = stage_layers(model.config.n_layers, n_stages)[stage]
         self.ranks = list(ranks) if ranks is not None else list(range(n_stages))
         self.group = group
         self.first, self.last = stage == 0, stage == n_stages - 1
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
         self._sent: list[torch.Tensor] = []  # per micro-batch: the stacked sources sent downstream
         self._recv: list[torch.Tensor] = []  # per micro-batch: the received sources (leaf, requires grad)
+        self._aux: list = []  # per micro-batch: this stage's routers' balance loss (or 0.0)
         self.stage_bytes: list[int] = []  # payload bytes sent downstream per micro-batch
+        model.forward = self._run
 
     # ------------------------------------------------------------------ forward
-    def forward(self, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """First stage: input_ids [B, T]. Returns logits [B, T, V] on the last stage, else None."""
+    def _run(self, x: torch.Tensor, header: list[int] | None = None):
+        """The stage's layers: x is input_ids [B, T] (first stage) or the sources [n, B, T, D]. Returns
+        logits [B, T, V] (last stage) or (sources [n', B, T, D], header of the state they form)."""
         model, ar = self.model, self.model.attnres
         if self.first:
-            if input_ids is None:
-                raise ValueError("the first stage needs input_ids")
-            state = ar.start(model.embed(input_ids))
+            state = ar.start(model.embed(x))
         else:
-            state = self._receive()
+            n_completed, n_current, step, block_start, B, T = header
+            parts = list(x.unbind(0))
+            # phase-1 statistics of an open block are recomputed from the received sources (exact)
+            state = AttnResState(completed=parts[:n_completed], current=parts[n_completed:], step=step,
+                                 block_start=block_start, stats=None, shape=(B, T, x.shape[-1]))
         for i in self.layers:
             block = model.layers[i]
             h = ar.mix(state, 2 * i)
@@ -71,65 +149,86 @@ class PipelineStage:
             ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
         if self.last:
             return model.head(model.norm(ar.final(state)))
-        self._send(state)
+        B, T = state.shape[0], state.shape[1]
+        return torch.stack(state.completed + state.current), [len(state.completed), len(state.current), state.step,
+                                                               state.block_start, B, T]
+
+    def forward(self, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """First stage: input_ids [B, T]. Returns logits [B, T, V] on the last stage, else None."""
+        if self.first:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            out = self.model(input_ids)
+        else:
+            out = self.model(*self._receive())
+        aux = self.model.aux_loss()
+        self._aux.append(aux if isinstance(aux, torch.Tensor) and aux.requires_grad else None)
+        if self.last:
+            return out
+        self._send(*out)
         return None
 
-    def _send(self, state: AttnResState) -> None:
-        sources = state.completed + state.current
-        payload = torch.stack(sources)  # [n_sources, B, T, D]
-        B, T = state.shape[0], state.shape[1]
-        header = torch.tensor([len(state.completed), len(state.current), state.step, state.block_start, B, T])
+    def _send(self, payload: torch.Tensor, header: list[int]) -> None:
         dst = self.ranks[self.stage + 1]
-        comm.send(header, dst, self.group, tag="pp_header")
+        comm.send(torch.tensor(header, dtype=torch.long, device=self.device), dst, self.group, tag="pp_header")
         comm.send(payload.detach(), dst, self.group, tag="pp_activations")
         self.stage_bytes.append(payload.numel() * payload.element_size())
         self._sent.append(payload)
 
-    def _receive(self) -> AttnResState:
+    def _receive(self) -> tuple[torch.Tensor, list[int]]:
         src = self.ranks[self.stage - 1]
-        header = torch.empty(6, dtype=torch.long)
+        header = torch.empty(HEADER, dtype=torch.long, device=self.device)
         comm.recv(header, src, self.group, tag="pp_header")
-        n_completed, n_current, step, block_start, B, T = header.tolist()
-        D = self.model.config.d_model
-        dtype = self.model.embed.weight.dtype
-        payload = torch.empty(n_completed + n_current, B, T, D, dtype=dtype)
+        n_completed, n_current, _, _, B, T = header.tolist()
+        payload = torch.empty(n_completed + n_current, B, T, self.model.config.d_model, dtype=self.dtype,
+                              device=self.device)
         comm.recv(payload, src, self.group, tag="pp_activations")
         payload.requires_grad_(True)
         self._recv.append(payload)
-        parts = list(payload.unbind(0))
-        # phase-1 statistics of an open block are recomputed here from the received sources (exact)
-        return AttnResState(completed=parts[:n_completed], current=parts[n_completed:], step=step,
-                            block_start=block_start, stats=None, shape=(B, T, D))
+        return payload, header.tolist()
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor | None = None) -> None:
+    def backward(self, loss: torch.Tensor | None = None, aux_scale: float = 1.0) -> None:
         """Backward of the oldest outstanding micro-batch: the last stage passes its loss; others receive
-        the gradient of what they sent. Sends the gradient of the received sources upstream."""
+        the gradient of what they sent. This stage's routers' balance loss (x aux_scale) joins in. Sends
+        the gradient of the received sources upstream."""
+        aux = self._aux.pop(0)
+        outputs, grads = [], []
+        if aux is not None:
+            outputs.append(aux * aux_scale)
+            grads.append(None)
         if self.last:
             if loss is None:
                 raise ValueError("the last stage's backward needs the micro-batch loss")
-            loss.backward()
+            outputs.append(loss)
+            grads.append(None)
         else:
             sent = self._sent.pop(0)
             grad = torch.empty_like(sent)
             comm.recv(grad, self.ranks[self.stage + 1], self.group, tag="pp_grads")
-            torch.autograd.backward(sent, grad)
+            outputs.append(sent)
+            grads.append(grad)
+        torch.autograd.backward(outputs, grads)
         if not self.first:
             received = self._recv.pop(0)
             g = received.grad if received.grad is not None else torch.zeros_like(received)
             comm.send(g, self.ranks[self.stage - 1], self.group, tag="pp_grads")
 
 
-def run_gpipe(stage: PipelineStage, micro_inputs: list[torch.Tensor], micro_targets: list[torch.Tensor]) -> list:
+def run_gpipe(stage: PipelineStage, micro_inputs: list, micro_targets: list, on_forward=None) -> list:
     """GPipe forward+backward over micro-batches; returns per-micro-batch losses on the last stage (mean CE
-    / n_micro each, so gradients equal one step on the concatenated batch), [] elsewhere."""
+    / n_micro each, so gradients equal one step on the concatenated batch), [] elsewhere. Routers' balance
+    losses count 1 / n_micro each, as in the single-process step. `on_forward(m)` runs after micro-batch
+    m's forward (e.g. to read the routers' loads)."""
     n = len(micro_inputs)
     losses = []
     for m in range(n):
         logits = stage.forward(micro_inputs[m] if stage.first else None)
+        if on_forward is not None:
+            on_forward(m)
         if stage.last:
             y = micro_targets[m]
             losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)) / n)
     for m in range(n):
-        stage.backward(losses[m] if stage.last else None)
+        stage.backward(losses[m] if stage.last else None, aux_scale=1.0 / n)
     return [float(l.detach()) for l in losses]

@@ -1,4 +1,4 @@
-"""Data-parallel training with FSDP2 + MoonEP: the trainer's step, with the batch split over ranks.
+"""Distributed training with FSDP2 + MoonEP (+ pipeline stages): the trainer's step, batch split over ranks.
 
 Every rank builds the same model from the seed (as the single-process Trainer does), then
 `parallelize` applies expert parallelism and FSDP2 from outside. A step is the single-process step with
@@ -10,9 +10,17 @@ three changes, so that the loss trajectory equals the single-process one:
   - clipping: the global grad norm counts every element once (shards summed, replicas divided out).
 The router's balancing all-reduce (in k3.model.moe) sums expert loads over the world, which is the dp
 group when pp = 1. Only AdamW: Muon orthogonalises whole matrices, and FSDP shards them.
+
+With pp > 1 (world = pp x dp) every rank builds the whole model from the seed, keeps its stage
+(`prune_to_stage`) and then applies EP and FSDP2 inside the stage. A step runs GPipe over the `accum`
+micro-batches (`run_gpipe`); the AttnRes parameters, held by every stage, get their gradients summed over
+the pipeline; the clipping norm and the logged loss are summed over the world (the loss comes from the last
+stage); each stage's optimizer steps its own parameters; the routers' balancing statistics are summed over
+the stage's dp group (the world holds other stages' layers).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -27,7 +35,8 @@ from k3.parallel import comm
 from k3.parallel.expert import apply_expert_parallel, expert_modules, sync_expert_grads
 from k3.parallel.fsdp import apply_fsdp, local_grad_sq
 from k3.parallel.mesh import ParallelContext
-from k3.parallel.placement import Placement
+from k3.parallel.pipeline import PipelineStage, prune_to_stage, run_gpipe, stage_shared_params
+from k3.parallel.placement import Placement, contiguous_placement
 from k3.train.optim import build_optimizer
 from k3.train.trainer import TrainConfig, TrainResult, split_batch
 
@@ -60,20 +69,60 @@ def placements_from_loads(loads, ep: int, redundant_per_rank: int) -> dict[int, 
 
 
 def global_grad_norm(model, ctx: ParallelContext) -> torch.Tensor:
-    """The L2 norm of the whole (logical) gradient, equal on every rank of the dp group."""
+    """The L2 norm of the whole (logical) gradient, equal on every rank (of the dp group; of the world when
+    pp > 1, where the stage-shared AttnRes parameters, identical on every stage, count once)."""
     expert_params = {id(p) for m in expert_modules(model) for p in m.parameters()}
     replicate = ctx.dims.dp // ctx.dims.fsdp_size  # copies of each FSDP shard (HSDP)
+    shared = {id(p) for _, p in stage_shared_params(model)} if ctx.dims.pp > 1 else set()
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p in model.parameters():
         if id(p) not in expert_params and p.requires_grad:
-            sq = sq + local_grad_sq(p) / replicate
+            sq = sq + local_grad_sq(p) / (replicate * (ctx.dims.pp if id(p) in shared else 1))
     for m in expert_modules(model):
         copies = m.placement.n_replicas()[torch.tensor(m.local)].float() * ctx.dims.edp  # [S]
         for p in m.parameters():
             if p.grad is not None:
                 sq = sq + (p.grad.float().pow(2).flatten(1).sum(1) / copies).sum()
-    comm.all_reduce(sq, group=ctx.dp_group, tag="grad_norm")
+    comm.all_reduce(sq, group=ctx.dp_group if ctx.dims.pp == 1 else None, tag="grad_norm")
     return sq.sqrt()
+
+
+@torch.no_grad()
+def sync_stage_shared_grads(model, ctx: ParallelContext) -> None:
+    """Sum the gradients of the parameters every stage holds (AttnRes) over the pipeline: each stage's covers
+    only its own sublayers. One all-reduce of the concatenated local shards over ctx.pp_group (the ranks with
+    this dp index, which hold the same FSDP shards); missing gradients count as zeros."""
+    params = [p for _, p in stage_shared_params(model)]
+    if not params:
+        return
+    local = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        local.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    flat = torch.cat([g.reshape(-1) for g in local])
+    comm.all_reduce(flat, group=ctx.pp_group, tag="pp_shared_grad")
+    for g, part in zip(local, flat.split([g.numel() for g in local])):
+        g.copy_(part.view_as(g))
+
+
+@contextlib.contextmanager
+def router_balancing_over(group):
+    """Inside the block, the routers' balancing statistics (k3.model.moe sums them over the default group,
+    which with pp > 1 holds other stages' layers) are summed over `group` instead, through k3.parallel.comm."""
+    from k3.model import moe
+
+    saved = moe._dist_world, moe._all_reduce_sum
+
+    def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t, group=group, tag="router_balancing")
+        return t
+
+    moe._dist_world, moe._all_reduce_sum = (lambda: comm.world_size(group)), all_reduce_sum
+    try:
+        yield
+    finally:
+        moe._dist_world, moe._all_reduce_sum = saved
 
 
 @torch.no_grad()
@@ -87,7 +136,8 @@ def clip_grads_(model, total_norm: torch.Tensor, max_norm: float) -> None:
 
 
 class ParallelTrainer:
-    """Train a K3Model over a ParallelContext (pp = 1); rank 0 writes metrics, all ranks write checkpoints."""
+    """Train a K3Model over a ParallelContext; rank 0 writes metrics, all ranks write checkpoints.
+    `placements`: {MoE layer index over the whole model: Placement}."""
 
     def __init__(self, config: K3Config, tc: TrainConfig, train_data, ctx: ParallelContext,
                  out_dir=None, placements: dict[int, Placement] | None = None, overwrite: bool = False):
@@ -95,9 +145,8 @@ class ParallelTrainer:
 
         self.config, self.tc, self.ctx = config.validate(), tc.validate(), ctx
         dims = ctx.dims
-        if dims.pp != 1:
-            raise ValueError(f"pp = {dims.pp}: pipeline training is not implemented (k3.parallel.pipeline runs "
-                             "stage forward/backward and measures stage traffic); use --pp 1")
+        if dims.pp > config.n_layers:
+            raise ValueError(f"pp = {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
         if tc.optimizer != "adamw":
             raise ValueError(f"optimizer {tc.optimizer!r} with FSDP: Muon orthogonalises whole matrices and FSDP "
                              "shards them; use --optimizer adamw for distributed runs")
@@ -111,7 +160,19 @@ class ParallelTrainer:
         self.train_data = train_data
         torch.manual_seed(tc.seed)  # the same init as the single-process Trainer, on every rank
         self.model = K3Model(config).to(ctx.device)
-        parallelize(self.model, ctx, placements)
+        moe_ids = [i for i in range(config.n_layers) if config.is_moe_layer(i)]  # layer of each MoE index
+        self.stage = None
+        if dims.pp > 1:
+            held = prune_to_stage(self.model, ctx.pp_rank, dims.pp)
+            self._moe_index = [g for g, i in enumerate(moe_ids) if i in held]  # this stage's MoE layers
+        else:
+            self._moe_index = list(range(len(moe_ids)))
+        self._n_moe = len(moe_ids)
+        self.placements = dict(placements or {})
+        local = {k: self.placements[g] for k, g in enumerate(self._moe_index) if g in self.placements}
+        parallelize(self.model, ctx, local)
+        if dims.pp > 1:
+            self.stage = PipelineStage(self.model, ctx.pp_rank, dims.pp, ranks=ctx.pp_ranks, group=ctx.pp_group)
         self.optimizer = build_optimizer(self.model, "adamw", lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas)
         for opt in self.optimizer.optimizers.values():
             for g in opt.param_groups:
@@ -130,33 +191,67 @@ class ParallelTrainer:
         b = self.tc.batch_size // self.ctx.dims.dp
         return slice(self.ctx.dp_rank * b, (self.ctx.dp_rank + 1) * b)
 
+    def _observe_loads(self) -> None:
+        for acc, moe in zip(self._loads, self.model.moe_layers()):
+            if moe.router.last_load is not None:
+                acc += moe.router.last_load.to(acc)
+
+    def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of micro-batch `micro` of the current step."""
+        tc, rows = self.tc, self.rows()
+        x, y = split_batch(self.train_data.get_batch(self.step * tc.accum + micro, tc.batch_size, tc.seq_len, tc.seed))
+        return x[rows].to(self.ctx.device), y[rows].to(self.ctx.device)
+
     def train_step(self) -> dict:
+        return self._pipeline_step() if self.stage is not None else self._data_parallel_step()
+
+    def _pipeline_step(self) -> dict:
+        """GPipe over the accum micro-batches; the same update as the single-process step."""
+        tc, model, ctx = self.tc, self.model, self.ctx
+        model.train()
+        t0 = time.perf_counter()
+        lr_factor = self.schedule.apply(self.optimizer, self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = [self._micro_batch(m) for m in range(tc.accum)]
+        losses = run_gpipe(self.stage, [x for x, _ in batches], [y for _, y in batches],
+                           on_forward=lambda m: self._observe_loads())
+        sync_expert_grads(model, 1.0 / ctx.dims.dp)
+        sync_stage_shared_grads(model, ctx)
+        norm = global_grad_norm(model, ctx)
+        clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        self.optimizer.step()
+        with router_balancing_over(ctx.dp_group):
+            model.update_balancing()
+        # the last stage's losses (each mean CE / accum) reach every rank, rank 0 (first stage) included
+        loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=ctx.device)
+        comm.all_reduce(loss_sum, tag="loss")
+        return self._record(float(loss_sum) / ctx.dims.dp, norm, lr_factor, t0)
+
+    def _data_parallel_step(self) -> dict:
         tc, model, ctx = self.tc, self.model, self.ctx
         model.train()
         t0 = time.perf_counter()
         lr_factor = self.schedule.apply(self.optimizer, self.step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=ctx.device)
-        rows = self.rows()
         for micro in range(tc.accum):
-            x, y = split_batch(self.train_data.get_batch(self.step * tc.accum + micro, tc.batch_size, tc.seq_len,
-                                                         tc.seed))
-            x, y = x[rows].to(ctx.device), y[rows].to(ctx.device)
+            x, y = self._micro_batch(micro)
             logits = model(x)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             total = loss + model.aux_loss()
             (total / tc.accum).backward()
             loss_sum += loss.detach()
-            for acc, moe in zip(self._loads, model.moe_layers()):
-                if moe.router.last_load is not None:
-                    acc += moe.router.last_load.to(acc)
+            self._observe_loads()
         sync_expert_grads(model, 1.0 / ctx.dims.dp)
         norm = global_grad_norm(model, ctx)
         clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
         self.optimizer.step()
         model.update_balancing()
         comm.all_reduce(loss_sum, group=ctx.dp_group, tag="loss")
-        loss = float(loss_sum) / ctx.dims.dp / tc.accum
+        return self._record(float(loss_sum) / ctx.dims.dp / tc.accum, norm, lr_factor, t0)
+
+    def _record(self, loss: float, norm: torch.Tensor, lr_factor: float, t0: float) -> dict:
+        tc, ctx = self.tc, self.ctx
         if not math.isfinite(loss):
             raise ValueError(f"training diverged: loss is {loss} at step {self.step + 1}; lower --lr or check the data")
         n_tok = tc.accum * tc.batch_size * tc.seq_len
@@ -171,15 +266,22 @@ class ParallelTrainer:
     def save(self) -> Path:
         if self.ckpt_dir is None:
             raise ValueError("ParallelTrainer.save needs an out_dir")
-        loads = torch.stack(self._loads) if self._loads else torch.zeros(0)
-        comm.all_reduce(loads, group=self.ctx.dp_group, tag="expert_loads")
+        # every MoE layer of the whole model: this stage fills its rows, the sum over the world adds the dp
+        # ranks' token-slots and the other stages' rows
+        loads = torch.zeros(self._n_moe, self.config.n_experts, dtype=torch.float64)
+        for g, acc in zip(self._moe_index, self._loads):
+            loads[g] = acc
+        comm.all_reduce(loads, group=self.ctx.dp_group if self.ctx.dims.pp == 1 else None, tag="expert_loads")
         for acc in self._loads:
             acc.zero_()
+        # placements of every MoE layer, as apply_expert_parallel made them (rank 0 holds only its stage's)
+        placements = [self.placements.get(g) or contiguous_placement(self.config.n_experts, self.ctx.dims.ep)
+                      for g in range(self._n_moe)]
         meta = {"config": self.config.to_dict(), "train": self.tc.to_dict(), "tokens": self.tokens,
                 "expert_loads": loads.tolist(),
                 "dims": {"world": self.ctx.dims.world, "ep": self.ctx.dims.ep, "fsdp": self.ctx.dims.fsdp_size,
                          "pp": self.ctx.dims.pp},
-                "placements": [m.placement.to_dict() for m in expert_modules(self.model)]}
+                "placements": [p.to_dict() for p in placements]}
         return pckpt.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.ctx, meta, self.tc.keep_last)
 
     def resume(self, path=None) -> dict:
