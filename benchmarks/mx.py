@@ -3,6 +3,11 @@ dequantizing packed expert weights before an fp32 GEMM.
 
     python benchmarks/mx.py [--json] [--quick] [--repeats N]
 
+Also: a mini-shaped routed-expert layer run from packed MXFP4 weights (`k3.quant.export.PackedRoutedExperts`,
+dequantized on each forward, or cached) against the same layer in fp32; and, on a CUDA GPU with hardware MX
+GEMMs (sm_100+), an MXFP8 x MXFP8 torch._scaled_mm with E8M0 block scales (via torchao's MXTensor) against a
+bf16 matmul. Elsewhere that section records why it was skipped.
+
 Both quantizers produce the same bytes (checked here): for mxfp4 we time quantize_mx(packed=True)
 because to_mx returns packed fp4. Each repeat times the two contenders back to back in alternating
 order, and the speedup is the median of the per-repeat ratios, which holds up better than a ratio
@@ -107,6 +112,77 @@ def bench_gemm(tokens: int, d_in: int, d_out: int, repeats: int) -> dict:
     return out
 
 
+def bench_experts(tokens: int, n_experts: int, top_k: int, dim: int, ffn: int, repeats: int) -> dict:
+    """Routed experts forward (grouped impl) from packed MXFP4 codes vs from fp32 weights; same router output."""
+    from k3.model.moe import RoutedExperts
+    from k3.quant.export import PackedRoutedExperts
+
+    fp32 = RoutedExperts(n_experts, dim, ffn, init_std=0.02)
+    packed = PackedRoutedExperts.from_experts(fp32, "mxfp4")
+    cached = PackedRoutedExperts.from_experts(fp32, "mxfp4")
+    cached.cache = True
+    x = torch.randn(tokens, dim)
+    experts = torch.rand(tokens, n_experts).topk(top_k, dim=-1).indices
+    weights = torch.softmax(torch.randn(tokens, top_k), -1)
+    with torch.no_grad():
+        p = paired(lambda: packed(x, weights, experts), lambda: fp32(x, weights, experts), repeats)
+        c = paired(lambda: cached(x, weights, experts), lambda: fp32(x, weights, experts), repeats)
+    stored = sum(t.numel() for t in packed.packed_tensors())
+    return {
+        "shape": {"tokens": tokens, "experts": n_experts, "top_k": top_k, "dim": dim, "ffn": ffn},
+        "weight_bytes_packed": stored,
+        "weight_bytes_fp32": 4 * 3 * n_experts * dim * ffn,
+        "bits_per_param": 8 * stored / (3 * n_experts * dim * ffn),
+        # throughput ratios t(fp32 layer) / t(packed layer); < 1 means the packed layer is slower
+        "packed_over_fp32": p["ratio_median"],
+        "packed_over_fp32_range": [p["ratio_min"], p["ratio_max"]],
+        "cached_over_fp32": c["ratio_median"],
+        "fp32_median_s": p["b_median_s"],
+        "packed_median_s": p["a_median_s"],
+        "cached_median_s": c["a_median_s"],
+    }
+
+
+def bench_cuda_mx(tokens: int, d_in: int, d_out: int, repeats: int) -> dict:
+    """Hardware MX GEMM where torch has one: MXFP8 operands, E8M0 scales, torch._scaled_mm (sm_100+)."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    cap = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if cap < (10, 0):
+        return {"skipped": f"{name} is sm_{cap[0]}{cap[1]}; torch's MX block-scaled GEMMs need sm_100 or newer",
+                "device": name}
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(d_out, d_in, device="cuda", dtype=torch.bfloat16) * 0.02
+
+        def mx_mm():
+            a = MXTensor.to_mx(x, torch.float8_e4m3fn, 32, kernel_preference=KernelPreference.AUTO)
+            b = MXTensor.to_mx(w, torch.float8_e4m3fn, 32, kernel_preference=KernelPreference.AUTO)
+            out = torch.mm(a, b.t())
+            torch.cuda.synchronize()
+            return out
+
+        def bf16_mm():
+            out = x @ w.t()
+            torch.cuda.synchronize()
+            return out
+
+        ref = bf16_mm().float()
+        err = (mx_mm().float() - ref).norm() / ref.norm()
+        p = paired(mx_mm, bf16_mm, repeats)
+        flops = 2 * tokens * d_in * d_out
+        return {"device": name, "shape": [tokens, d_in, d_out], "relative_error_vs_bf16": float(err),
+                "mxfp8_scaled_mm_tflops": flops / p["a_median_s"] / 1e12,
+                "bf16_mm_tflops": flops / p["b_median_s"] / 1e12,
+                "mxfp8_over_bf16": p["ratio_median"]}
+    except Exception as e:  # a torch/torchao without the kernel for this device: say so in the JSON
+        return {"skipped": f"hardware MX path failed: {type(e).__name__}: {e}", "device": name}
+
+
 def machine() -> dict:
     try:
         import torchao
@@ -140,6 +216,8 @@ def main(argv=None) -> dict:
     machine_before = machine()
     q = bench_quantize(quant_shape, repeats)
     g = bench_gemm(*gemm, repeats)
+    e = bench_experts(256 if args.quick else 1024, 64, 8, 128, 256, repeats)
+    cuda = bench_cuda_mx(*((1024, 1024, 1024) if args.quick else (8192, 8192, 8192)), repeats)
     result = {
         "benchmark": "mx",
         "quick": args.quick,
@@ -154,10 +232,14 @@ def main(argv=None) -> dict:
         "speedup_vs_torchao_to_mx": min(v["speedup_vs_torchao_to_mx"] for v in q.values()),
         "gemm": g,
         "dequant_matmul_over_fp32_matmul": g["mxfp4"]["dequant_matmul_over_fp32_matmul"],
+        "experts": e,
+        "cuda_hardware_mx": cuda,
         "definitions": {
             "speedup_vs_torchao_to_mx": "median over repeats of t(to_mx)/t(quantize_mx), min over formats",
             "dequant_matmul_over_fp32_matmul": "median over repeats of t(fp32 matmul)/t(dequant packed "
             "mxfp4 weight + matmul), i.e. a throughput ratio; < 1 means slower than fp32",
+            "experts.packed_over_fp32": "median over repeats of t(fp32 routed experts)/t(the same experts run "
+            "from packed MXFP4, dequantized every forward); mini shapes: 64 experts, top-8, dim 128, ffn 256",
         },
         "machine": machine_before,
         "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
@@ -173,6 +255,9 @@ def main(argv=None) -> dict:
         for fmt, v in g.items():
             print(f"{fmt}: dequant+matmul {v['dequant_matmul_gflops']:.1f} GFLOP/s vs fp32 "
                   f"{v['fp32_matmul_gflops']:.1f} GFLOP/s -> {v['dequant_matmul_over_fp32_matmul']:.2f}")
+        print(f"routed experts from packed mxfp4 ({e['bits_per_param']:.2f} bits/param): "
+              f"{e['packed_over_fp32']:.2f}x fp32 throughput, cached {e['cached_over_fp32']:.2f}x")
+        print(f"cuda hardware MX: {cuda.get('skipped') or cuda}")
         print(f"wrote {OUT}")
     return result
 

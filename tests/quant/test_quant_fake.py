@@ -104,8 +104,11 @@ def test_ptq_changes_outputs_and_qat_linear_matches_functional():
     assert 1e-3 < rel < 1  # quantized, still the same function (4-bit linears at random init: coarse)
     lin = q.layers[0].mixer.q_proj
     h = torch.randn(3, lin.in_features)
-    assert isinstance(lin, QATLinear)
-    assert torch.equal(lin(h), F.linear(h, fake_quant(lin.weight, "mxfp4", dim=1)))
+    assert isinstance(lin, QATLinear) and lin.act_format == "mxfp8"  # linears take the activations format
+    assert torch.equal(lin(h), F.linear(fake_quant(h, "mxfp8"), fake_quant(lin.weight, "mxfp4", dim=1)))
+    w_only = K3Model(get_config("tiny", qat={"linears": "mxfp4"})).layers[0].mixer.q_proj
+    w_only.weight = lin.weight
+    assert torch.equal(w_only(h), F.linear(h, fake_quant(lin.weight, "mxfp4", dim=1)))
 
 
 def _scaled(module, std=0.2):

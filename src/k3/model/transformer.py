@@ -16,7 +16,7 @@ from k3.model.cache import HybridCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoE, SwiGLU
-from k3.quant.fake import apply_linear_qat, qat_format
+from k3.quant.fake import apply_linear_qat
 
 
 class Block(nn.Module):
@@ -47,7 +47,7 @@ class K3Model(nn.Module):
             nn.init.normal_(self.embed.weight, std=config.init_std)
             if not config.tie_embeddings:
                 nn.init.normal_(self.head.weight, std=config.init_std)
-        apply_linear_qat(self, qat_format(config, "linears"))  # config.qat = {"linears": ...}; no-op without
+        apply_linear_qat(self, config)  # QAT of the other linears when config.qat has "linears"; else a no-op
 
     # ------------------------------------------------------------------ forward
     def new_cache(self) -> HybridCache:

@@ -190,11 +190,6 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     return path
 
 
-def is_export(path: str | os.PathLike) -> bool:
-    found = _resolve(Path(path))
-    return found is not None and EXPORT_KEY in ckpt.read_manifest(found, verify=False).get("extra", {})
-
-
 def _resolve(path: Path) -> Path | None:
     return path if (path / ckpt.MANIFEST).is_file() else ckpt.latest_checkpoint(path)
 
