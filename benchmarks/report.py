@@ -35,8 +35,11 @@ HEADLINES = {
     "qat": [
         ("settings.k3.ptq_degradation", "PTQ val loss - fp32, MXFP4 experts + MXFP8 activations (nats)", ""),
         ("settings.k3.recovery", "QAT recovery of that PTQ degradation", ">= 0.8"),
-        ("settings.harsh.ptq_degradation", "PTQ val loss - fp32, + all linears MXFP4 (nats)", ""),
+        ("settings.harsh.ptq_degradation", "PTQ val loss - fp32, all linears W4A8 MXFP (nats)", ""),
         ("settings.harsh.recovery", "QAT recovery of the harsh PTQ degradation", ">= 0.8"),
+        ("settings.harshest.ptq_degradation", "PTQ val loss - fp32, W4A4 everywhere (nats)", ""),
+        ("settings.harshest.recovery", "QAT recovery of the W4A4 PTQ degradation", ">= 0.8"),
+        ("seed_spread", "fp32 val loss spread between two seeds (nats)", ""),
     ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
@@ -85,6 +88,13 @@ HEADLINES = {
     "train": [
         ("tokens_per_s", "mini training tokens/s (fp32 CPU)", ""),
         ("mfu", "mini training MFU vs measured fp32 matmul peak", ">= 0.20"),
+    ],
+    "rl_probe": [
+        ("patterns.KKKM.condition.over_chance", "tiny KKKM from scratch: answer loss / chance, class marker 20 tokens back", ""),
+        ("patterns.MKKK.condition.over_chance", "tiny MKKK: the same conditioning probe", ""),
+        ("patterns.KKKM.copy.over_chance", "tiny KKKM: answer loss / chance, copy 4 digits from 11 tokens back", ""),
+        ("patterns.MKKK.copy.over_chance", "tiny MKKK: the same copy probe", ""),
+        ("patterns.MMMM.copy.over_chance", "tiny MMMM (all Gated MLA): the same copy probe", ""),
     ],
 }
 

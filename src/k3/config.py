@@ -202,6 +202,13 @@ PRESETS: dict[str, dict] = {
         moe_latent_dim=128, n_experts=64, n_active_experts=8, expert_ffn=256,
         n_shared_experts=1, shared_ffn=512,
     ),
+    # long context on CPU: tiny widths with K3's 3:1 KDA:MLA pattern (KKKM). The one MLA layer's prefill is
+    # quadratic (about T^2/2 query-key pairs), so it gets one head of 8 dims; a chunked 1,048,576-token
+    # prefill then takes on the order of an hour on one core, and its latent cache is 64 fp32 values a token.
+    "long": dict(
+        name="long", n_layers=4, max_context=2_097_152,
+        mla_heads=1, mla_q_lora_rank=0, mla_kv_lora_rank=64, mla_qk_head_dim=8, mla_v_head_dim=8,
+    ),
     # the full model, for counting and planning on the meta device; see docs/architecture.md
     "k3": dict(
         name="k3", vocab_size=163840, d_model=7168, n_layers=93, max_context=1048576,

@@ -1,0 +1,206 @@
+"""HF transformers integration: Auto classes, safetensors round trip, generate() against K3Model.generate,
+the tokenizer as PreTrainedTokenizerFast, checkpoint export, and clear errors for mismatches."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
+
+from k3.config import get_config  # noqa: E402
+from k3.data.corpus import open_corpus  # noqa: E402
+from k3.data.tokenizer import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
+from k3.model.transformer import K3Model  # noqa: E402
+from k3.serve.hf import (K3ForCausalLM, K3GenerationCache, K3HFConfig, check_tokenizer, export_hf,  # noqa: E402
+                         load_hf, to_hf_tokenizer)
+from k3.train.checkpoint import save_checkpoint  # noqa: E402
+
+VOCAB = 512  # tiny's vocab_size
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    texts = [t for _, t in open_corpus().documents("train", max_bytes=100_000)]
+    return train_tokenizer(texts, VOCAB, path=tmp_path_factory.mktemp("tok"))
+
+
+def k3_model(**overrides) -> K3Model:
+    """A tiny model whose router biases are not all zero, so the persistent buffers matter in a round trip."""
+    model = K3Model(get_config("tiny", **overrides)).eval()
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.router.bias.uniform_(-0.05, 0.05)
+    return model
+
+
+def prompt(b: int = 1, t: int = 9, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(SPECIAL_TOKENS), VOCAB, (b, t), generator=g)  # no special ids (no pad in the mask)
+
+
+def test_auto_classes_resolve_k3():
+    cfg = AutoConfig.for_model("k3", **get_config("tiny").to_dict())
+    assert isinstance(cfg, K3HFConfig) and cfg.model_type == "k3"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (64, 4, VOCAB)
+    assert cfg.to_k3() == get_config("tiny")
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert isinstance(model, K3ForCausalLM)
+    ref = K3Model(get_config("tiny")).eval()
+    ref.load_state_dict({k.removeprefix("model."): v for k, v in model.state_dict().items()})
+    ids = prompt(2, 7)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).logits, ref(ids))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_pretrained_round_trip_has_identical_logits(tmp_path, tie):
+    src = K3ForCausalLM.from_k3(k3_model(tie_embeddings=tie)).eval()
+    src.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file() and not list(tmp_path.glob("*.bin"))
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert stored["model_type"] == "k3" and stored["n_layers"] == 4 and stored["tie_embeddings"] is tie
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), K3HFConfig)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, K3ForCausalLM) and not loaded.training
+    assert loaded.model.config == src.model.config
+    for (name, a), b in zip(src.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    if tie:
+        assert loaded.model.head.weight.data_ptr() == loaded.model.embed.weight.data_ptr()
+    ids = prompt(2, 11)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, src(ids).logits)
+
+
+def test_generate_greedy_equals_k3_generate_and_uses_the_hybrid_cache():
+    hf = K3ForCausalLM.from_k3(k3_model(), eos_token_id=None).eval()
+    seen = []
+    inner = hf.model.hidden_states
+    hf.model.hidden_states = lambda ids, cache=None: (seen.append((ids.shape[1], type(cache))), inner(ids, cache))[1]
+    ids = prompt(2, 9)
+    out = hf.generate(ids, max_new_tokens=12, do_sample=False)
+    hf.model.hidden_states = inner
+    ref = hf.model.generate(ids, 12)
+    assert out.shape == (2, 21) and torch.equal(out, ref)
+    # one prefill of the whole prompt, then one token per step through k3's cache
+    assert [n for n, _ in seen] == [9] + [1] * 11 and all(c is K3GenerationCache for _, c in seen)
+
+
+def test_generate_with_chunked_prefill_and_continuing_from_a_returned_cache():
+    hf = K3ForCausalLM.from_k3(k3_model(), eos_token_id=None).eval()
+    ids = prompt(2, 11, seed=4)
+    ref = hf.model.generate(ids, 7)
+    assert torch.equal(hf.generate(ids, max_new_tokens=7, do_sample=False, prefill_chunk_size=4), ref)
+    first = hf.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(first.cache, K3GenerationCache) and first.cache.get_seq_length() == 11 + 3
+    more = hf.generate(first.sequences, cache=first.cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(more, ref)
+    with pytest.raises(ValueError, match="not supported"):
+        hf.generate(ids, max_new_tokens=2, cache_implementation="static")
+
+
+def test_generate_stops_at_eos_like_the_reference():
+    hf = K3ForCausalLM.from_k3(k3_model()).eval()
+    ids = prompt(1, 9, seed=3)
+    ref = hf.model.generate(ids, 16)[0, 9:].tolist()
+    eos = ref[4]  # pretend the 5th greedy token is the end of sequence
+    out = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos)[0, 9:].tolist()
+    assert out == ref[:ref.index(eos) + 1]
+
+
+def test_beam_search_with_cache_equals_beam_search_without():
+    hf = K3ForCausalLM.from_k3(k3_model(), eos_token_id=None).eval()
+    ids = prompt(1, 6, seed=2)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=3)
+    cached = hf.generate(ids, **kw)
+    plain = hf.generate(ids, use_cache=False, **kw)  # every step re-reads the whole sequence
+    assert torch.equal(cached, plain)
+
+
+def test_forward_loss_padding_and_cache_errors():
+    hf = K3ForCausalLM.from_k3(k3_model()).eval()
+    ids = prompt(2, 8)
+    out = hf(ids, labels=ids, use_cache=False)
+    want = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    assert out.cache is None and torch.allclose(out.loss, want)
+    # prefill + continuation through the returned cache equals one forward; past_key_values is an alias
+    a = hf(ids[:, :5], use_cache=True)
+    b = hf(ids[:, 5:], past_key_values=a.cache)
+    assert torch.allclose(torch.cat([a.logits, b.logits], 1), out.logits, atol=1e-5)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="padded"):
+        hf(ids, attention_mask=mask)
+    from transformers import DynamicCache
+
+    with pytest.raises(ValueError, match="hybrid cache"):
+        hf(ids, cache=DynamicCache())
+
+
+def test_tokenizer_round_trip_as_pretrained_tokenizer_fast(tok, tmp_path):
+    to_hf_tokenizer(tok, model_max_length=2048).save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert isinstance(hf, PreTrainedTokenizerFast) and len(hf) == tok.vocab_size
+    assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert [hf.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    assert set(SPECIAL_TOKENS) <= set(hf.all_special_tokens)
+    samples = ["def f(x):\n    return x ** 2", "héllo wörld — 日本語 🎉", "<|user|>hi<|end|><|assistant|><|think|>x",
+               "  leading\tand trailing  \n", ""]
+    for s in samples:
+        assert hf(s)["input_ids"] == tok.encode(s), s
+        assert hf.decode(hf(s)["input_ids"]) == s
+    check_tokenizer(hf, vocab_size=VOCAB)
+
+
+def test_export_hf_from_a_training_checkpoint(tok, tmp_path):
+    model = k3_model()
+    save_checkpoint(tmp_path / "ckpt", 7, model, config=model.config, data_state={"tokenizer": str(tok.path)})
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")  # tokenizer found through the manifest
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
+        {p.name for p in out.iterdir()}
+    hf, hf_tok = load_hf(out)
+    ids = prompt(1, 10)
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids))
+    assert hf_tok("x = 1")["input_ids"] == tok.encode("x = 1")
+    # re-export into the same directory replaces it whole
+    export_hf(tmp_path / "ckpt", out, tokenizer_path=tok.path)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):
+    src = K3ForCausalLM.from_k3(k3_model())
+    src.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mla_kv_lora_rank": 16}))
+    with pytest.raises(ValueError, match=r"do not match .*wkv_a.weight: stored \(32, 64\), config wants \(16, 64\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layers": 8}))
+    with pytest.raises(ValueError, match="missing .*model.attnres"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a k3 model"):
+        K3ForCausalLM.from_pretrained(tmp_path)
+    # a tokenizer with another vocabulary size than the model: refused at export, before any file is written
+    big = K3Model(get_config("tiny", vocab_size=1024))
+    save_checkpoint(tmp_path / "ckpt2", 1, big, config=big.config, data_state={"tokenizer": str(tok.path)})
+    with pytest.raises(ValueError, match="512 tokens but the model's vocab_size is 1024"):
+        export_hf(tmp_path / "ckpt2", tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    # a tokenizer without k3's special tokens
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models
+
+    raw = PreTrainedTokenizerFast(tokenizer_object=RawTokenizer(models.BPE()))
+    with pytest.raises(ValueError, match="special token"):
+        check_tokenizer(raw)
