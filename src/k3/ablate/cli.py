@@ -1,0 +1,175 @@
+"""`k3 ablate`: matched small-scale ablations of the K3 design choices, cached and resumable."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_DATA = "runs/data"
+
+
+def parse_sets(items: list[str]) -> dict:
+    """['attnres=full', 'n_experts=16'] -> {'attnres': 'full', 'n_experts': 16}; unknown fields are an error."""
+    from k3.config import K3Config, K3ConfigError
+
+    fields = K3Config.__dataclass_fields__
+    out = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in fields:
+            raise K3ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _scale(args):
+    from k3.ablate.suites import SCALES
+
+    scale = SCALES["quick" if args.quick else "full"]
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ValueError(f"--steps {args.steps} must be >= 1")
+        scale = scale.replace(steps=args.steps)
+    if args.seeds is not None:
+        if args.seeds < 1:
+            raise ValueError(f"--seeds {args.seeds} must be >= 1 (3 or more for a mean ± std and a verdict)")
+        scale = scale.replace(seeds=tuple(range(args.seeds)))
+    return scale
+
+
+def cmd_list(scale, names, user_set) -> int:
+    from k3.ablate.runner import qat_status
+    from k3.ablate.suites import PROBE, PROBE_CLAIMS, build_groups
+    from k3.model.accounting import build_meta, count_params
+
+    base = scale.base_config(user_set)
+    c = count_params(build_meta(base))
+    print(f"base: {base.name} {base.pattern}, d_model {base.d_model}, {c['total']:,} params ({c['active']:,} active); "
+          f"{scale.steps} steps x {scale.batch_size} x {scale.seq_len} tokens, seeds {list(scale.seeds)}")
+    for g in build_groups(base, names, user_set):
+        print(f"\n{g.name}: {g.title}  (baseline {g.baseline})")
+        for v in g.variants:
+            cfg = base.replace(**v.overrides)
+            extra = f"PTQ of {v.ptq_of}, " if v.ptq_of else ""
+            print(f"  {v.label:<16} {extra}{v.overrides or '(base config)'}  "
+                  f"active params {count_params(build_meta(cfg))['active']:,}")
+        for cl in g.claims:
+            print(f"  claim {cl.id}: {cl.text} [{cl.source}]")
+        if g.name == "precision" and (why := qat_status(base)):
+            print(f"  skipped now: {why}")
+    if PROBE in names:
+        p = scale.probe
+        print(f"\nprobe: needle retrieval, {p.n_keys} needles, train length {p.train_len}, eval lengths "
+              f"{list(p.eval_lengths)}, {p.steps} steps x {p.batch_size}")
+        for cl in PROBE_CLAIMS:
+            print(f"  claim {cl.id}: {cl.text} [{cl.source}]")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from k3.ablate.report import write_report
+    from k3.ablate.runner import auto_jobs, data_fingerprint, plan_runs, run_plan
+    from k3.ablate.suites import PROBE, build_groups, select
+
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    names = select(args.suite, only)
+    user_set = parse_sets(args.set)
+    scale = _scale(args)
+    if args.list:
+        return cmd_list(scale, names, user_set)
+    build_groups(scale.base_config(user_set), names, user_set)  # bad combinations fail before any data work
+    if args.jobs is not None and args.jobs < 0:
+        raise ValueError(f"--jobs {args.jobs} must be >= 0 (0 = the cores the load average leaves free)")
+    import torch
+
+    torch.set_num_threads(1)  # one thread per run; parallelism comes from --jobs
+    if not getattr(args, "verbose", False):
+        import logging
+
+        logging.getLogger("k3.train").setLevel(logging.WARNING)  # one line per checkpoint would bury the bar
+    jobs = args.jobs or auto_jobs()
+    out = Path(args.out or ("runs/ablate-quick" if args.quick else "runs/ablate"))
+    t0 = time.perf_counter()
+    data_fp, data_dir = {}, None
+    if any(n != PROBE for n in names):
+        from k3.data import prepare_data
+
+        base = scale.base_config(user_set)
+        files = prepare_data(args.data, vocab_size=base.vocab_size, progress=not args.quiet and sys.stderr.isatty())
+        data_fp, data_dir = data_fingerprint(files), str(Path(args.data).resolve())
+    plan = plan_runs(scale, names, data_fp, user_set)
+    for g, why in plan.skipped.items():
+        print(f"k3 ablate: skipping {g}: {why}", file=sys.stderr)
+    n_runs = len(plan.unique_specs())
+    print(f"k3 ablate: suite {args.suite} ({scale.name} scale): {', '.join(names)}; {n_runs} distinct runs, "
+          f"{len(scale.seeds)} seeds, {jobs} job(s); cache in {out / 'runs'}", file=sys.stderr)
+    results = run_plan(plan, out, data_dir, jobs=jobs, progress=not args.quiet, desc=f"ablate {scale.name}")
+    wall = time.perf_counter() - t0
+
+    from k3.ablate.report import aggregate
+
+    summary = aggregate(plan, results)
+    executed = [r["seconds"] for r in results.values()]
+    summary["meta"] = {
+        "suite": args.suite, "scale": scale.name, "ablations": names, "seeds": list(scale.seeds),
+        "base_config": scale.base_config(user_set).to_dict(), "user_set": user_set,
+        "train": {k: v for k, v in scale.train_settings(0).items() if k != "seed"},
+        "probe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(scale.probe).items()},
+        "data": data_fp, "jobs": jobs, "wall_s": round(wall, 1), "run_seconds_sum": round(sum(executed), 1),
+        "runs": n_runs, "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                                    "torch": torch.__version__,
+                                    "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    header = (f"## k3 ablate --suite {args.suite}{' --quick' if args.quick else ''}\n\n"
+              f"{n_runs} runs, seeds {list(scale.seeds)}, {jobs} job(s), {wall / 60:.1f} min wall "
+              f"({sum(executed) / 60:.1f} min of run time, cached runs included), {summary['meta']['date']}.\n")
+    paths = write_report(summary, out, header)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        for name, g in {**summary["groups"], **({PROBE: summary["probe"]} if "probe" in summary else {})}.items():
+            if "skipped" in g:
+                print(f"{name:<10} skipped: {g['skipped']}")
+                continue
+            for c in g["claims"]:
+                print(f"{name:<10} {c['verdict']:<13} {c['id']}  ({c['a']} - {c['b']} {c['metric']}: "
+                      f"{c['diff_mean']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}])")
+        print(f"results   {paths['markdown']}  {paths['json']}")
+        print(f"plots     {'  '.join(str(p) for p in paths['plots'])}")
+        print(f"time      {wall / 60:.1f} min wall, {len(results)} runs")
+    return 0
+
+
+def register(sub) -> None:
+    from k3.ablate.suites import ALL_ABLATIONS, SUITES
+
+    p = sub.add_parser(
+        "ablate", help="matched small-scale ablations of K3's design choices (cached, resumable)",
+        description="Train matched variants (same data, tokens and seeds) of a mini-shaped K3 model for each "
+                    "design choice, run the long-context probe, and write OUT/results.md, OUT/results.json and "
+                    "OUT/plots/*.png with a verdict per claim. Finished runs are cached under OUT/runs/ and an "
+                    "interrupted suite resumes where it stopped.")
+    p.add_argument("--suite", default="core", help=f"suite to run (valid: {', '.join(SUITES)}; default core)")
+    p.add_argument("--only", default=None, metavar="A,B",
+                   help=f"comma-separated subset of the suite (valid: {', '.join(ALL_ABLATIONS)})")
+    p.add_argument("--quick", action="store_true", help="a reduced suite (tiny model, 2 seeds): a smoke test")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3; 2 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; 30 with --quick)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="runs in parallel, one CPU thread each (default 0: the cores the load average leaves free)")
+    p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
+                   help="override a field of the base config (not one an ablation varies), e.g. --set mla_heads=4")
+    p.add_argument("--data", default=DEFAULT_DATA, help=f"tokenized data, made if missing (default {DEFAULT_DATA})")
+    p.add_argument("--out", default=None, help="output directory (default runs/ablate, runs/ablate-quick)")
+    p.add_argument("--list", action="store_true", help="print the ablations, variants and claims, run nothing")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ablate)

@@ -1,0 +1,147 @@
+import json
+
+import pytest
+import torch
+
+import k3.ablate.runner as runner
+from k3.ablate.report import aggregate, write_report
+from k3.ablate.runner import RunSpec, _trainer, data_fingerprint, execute, plan_runs, run_dir, run_plan
+from k3.ablate.suites import ProbeSettings, Scale
+from k3.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+VERDICTS = {"supported", "contradicted", "inconclusive"}
+
+SMOKE = Scale("smoke", "tiny", dict(vocab_size=512), steps=3, batch_size=2, seq_len=16, eval_batches=2,
+              seeds=(0, 1),
+              probe=ProbeSettings(d_model=32, n_layers=2, n_keys=2, n_values=2, n_filler=4, train_len=8,
+                                  eval_lengths=(8, 16), steps=3, batch_size=2, eval_batches=1, eval_batch_size=4))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from k3.data import prepare_data
+
+    out = tmp_path_factory.mktemp("data")
+    return out, prepare_data(out, vocab_size=512, max_bytes=300_000)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = runner.execute
+
+    def wrapped(spec, *a, **k):
+        calls.append(spec.kind)
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(runner, "execute", wrapped)
+    return calls
+
+
+def test_suite_runs_caches_and_reports(data, tmp_path, counted):
+    data_dir, files = data
+    names = ["precision", "probe"]
+    plan = plan_runs(SMOKE, names, data_fingerprint(files))
+    if runner.qat_status(SMOKE.base_config()) is not None:
+        pytest.skip("config.qat has no effect in this tree (k3.quant missing): the precision group skips")
+    assert not plan.skipped, plan.skipped  # config.qat changes the forward: PTQ and QAT are real runs
+    results = run_plan(plan, tmp_path, str(data_dir), jobs=1, progress=False)
+    assert sorted(counted) == sorted(["train"] * 2 * 2 + ["ptq"] * 2 + ["probe"] * 3 * 2)
+    by = {(e.group, e.variant, e.seed): results[e.spec.key] for e in plan.entries}
+    for seed in (0, 1):
+        fp32, ptq = by[("precision", "fp32", seed)], by[("precision", "ptq", seed)]
+        assert ptq["val_loss"] > 0 and ptq["active_params"] == fp32["active_params"]
+        assert (run_dir(tmp_path, fp32["key"]) / runner.WEIGHTS).is_file()
+        assert not (run_dir(tmp_path, fp32["key"]) / "checkpoint").exists()
+        assert len(by[("precision", "qat", seed)]["train_loss"]) == SMOKE.steps
+        assert set(by[("probe", "3:1", seed)]["accuracy"]) == {"8", "16"}
+
+    summary = aggregate(plan, results)
+    claims = summary["groups"]["precision"]["claims"] + summary["probe"]["claims"]
+    assert {c["verdict"] for c in claims} <= VERDICTS
+    row = summary["groups"]["precision"]["variants"]["qat"]
+    assert row["val_loss"]["mean"] == pytest.approx(sum(row["val_loss"]["values"]) / 2)
+    paths = write_report(summary, tmp_path, "## smoke\n")
+    md = paths["markdown"].read_text()
+    assert "### precision" in md and "### probe" in md and "| ptq |" in md
+    assert json.loads(paths["json"].read_text())["groups"]["precision"]["baseline"] == "fp32"
+    assert {p.name for p in paths["plots"]} == {"precision.png", "probe.png"}
+    assert all(p.read_bytes()[:8] == PNG for p in paths["plots"])
+
+    counted.clear()
+    again = run_plan(plan_runs(SMOKE, names, data_fingerprint(files)), tmp_path, str(data_dir), progress=False)
+    assert counted == [] and again == results  # everything cached
+
+
+def test_variants_equal_to_the_base_share_one_run(data):
+    plan = plan_runs(SMOKE, ["depth", "balancing", "precision"], data_fingerprint(data[1]))
+    by = {(e.group, e.variant, e.seed): e.spec.key for e in plan.entries}
+    assert by[("depth", "block", 0)] == by[("balancing", "bias", 0)] == by[("precision", "fp32", 0)]
+    assert by[("depth", "block", 0)] != by[("depth", "block", 1)]
+    assert len(plan.unique_specs()) == 2 * (1 + 2 + 3 + 2)  # base, 2 depth, 3 balancing, ptq + qat
+
+
+def test_precision_group_skips_while_qat_has_no_effect(data, monkeypatch):
+    monkeypatch.setattr(runner, "qat_status", lambda base: "needs QAT (k3.quant): test")
+    plan = plan_runs(SMOKE, ["precision"], data_fingerprint(data[1]))
+    assert plan.entries == [] and "needs QAT" in plan.skipped["precision"]
+    md = aggregate(plan, {})
+    assert md["groups"]["precision"]["skipped"].startswith("needs QAT")
+
+
+def test_cache_key_covers_config_training_seed_and_data():
+    base = dict(kind="train", config=SMOKE.base_config().to_dict(), train=SMOKE.train_settings(0), seed=0,
+                data={"tokens": 1})
+    key = RunSpec(**base).key
+    assert RunSpec(**base).key == key
+    assert RunSpec(**{**base, "seed": 1}).key != key
+    assert RunSpec(**{**base, "data": {"tokens": 2}}).key != key
+    assert RunSpec(**{**base, "train": {**base["train"], "steps": 4}}).key != key
+    assert RunSpec(**{**base, "config": {**base["config"], "attnres": "none"}}).key != key
+
+
+def test_an_interrupted_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_CKPT_INTERVAL", 1)
+    data_dir, files = data
+    spec = RunSpec("train", SMOKE.replace(steps=4).base_config().to_dict(), SMOKE.replace(steps=4).train_settings(0),
+                   0, data_fingerprint(files))
+    whole = execute(spec, tmp_path / "a", str(data_dir))
+    # the same run interrupted during step 3 (checkpoints every step here), then started again
+    d = run_dir(tmp_path / "b", spec.key)
+    trainer, resume = _trainer(spec, files.train, d)
+    assert not resume
+
+    def stop(rec):
+        if rec["step"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(on_step=stop)
+    assert (d / "checkpoint").is_dir() and not (d / runner.RESULT).exists()
+    resumed = execute(spec, tmp_path / "b", str(data_dir))
+    assert resumed["val_loss"] == whole["val_loss"] and resumed["train_loss"] == whole["train_loss"]
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--only", "depth,attention"], ["'attention'", "depth, seq, moe, balancing, precision, probe"]),
+    (["--suite", "huge"], ["valid suites: core"]),
+    (["--only", "depth", "--set", "attnres=full"], ["incompatible combination", "attnres"]),
+    (["--only", "moe", "--set", "n_experts=9"], ["incompatible combination"]),
+    (["--set", "colour=blue"], ["FIELD one of"]),
+    (["--seeds", "0"], ["--seeds 0"]),
+])
+def test_bad_input_is_one_clear_line(argv, want, tmp_path, capsys):
+    assert main(["ablate", *argv, "--quick", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "d"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3 ablate: error:") and len(err.strip().splitlines()) == 1
+    for w in want:
+        assert w in err
