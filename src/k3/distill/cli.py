@@ -1,0 +1,485 @@
+"""`k3 distill teachers | mopd | eval | generate`: the teacher matrix, MOPD, the 9-cell table."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+from k3.model.cli import add_config_args, config_from_args
+
+DEFAULT_TEACHERS = "runs/mopd/teachers"
+
+
+# ---------------------------------------------------------------------- helpers
+def _parse_budgets(text: str | None) -> dict[str, int]:
+    from k3.distill.effort import THINKING_BUDGETS, check_budgets
+
+    if not text:
+        return dict(THINKING_BUDGETS)
+    out = {}
+    for item in text.split(","):
+        k, sep, v = item.partition("=")
+        if not sep or not v.strip().isdigit():
+            raise ValueError(f"--budgets {text!r}: expected low=N,medium=N,high=N")
+        out[k.strip()] = int(v)
+    return check_budgets(out)
+
+
+def _parse_cells(text: str | None):
+    from k3.distill.domains import CELLS, parse_cell
+
+    if not text or text == "all":
+        return CELLS
+    return tuple(parse_cell(c.strip()) for c in text.split(",") if c.strip())
+
+
+class _Bar:
+    """A tqdm bar over optimizer steps fed by the loop's records; eval records become lines."""
+
+    def __init__(self, total: int, desc: str, enabled: bool, keys=("loss",)):
+        self.total, self.desc, self.enabled, self.keys = total, desc, enabled, keys
+        self.bar = None
+
+    def __call__(self, rec: dict) -> None:
+        if rec.get("kind") == "eval":
+            msg = f"{self.desc} step {rec['step']}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in rec.items() if k.startswith("mean_") and isinstance(v, float))
+            (self.bar.write if self.bar is not None else (lambda m: print(m, file=sys.stderr)))(msg)
+            return
+        if not self.enabled:
+            return
+        from tqdm.auto import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=rec["step"] - 1, unit="step", desc=self.desc,
+                            dynamic_ncols=True, file=sys.stderr)
+        self.bar.update(rec["step"] - self.bar.n)
+        self.bar.set_postfix({k: f"{rec[k]:.3f}" for k in self.keys if isinstance(rec.get(k), float)}, refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _load_model(path, tokenizer, what: str):
+    """(model, manifest) of a run dir (holding checkpoint/) or a checkpoint dir, checked against the tokenizer."""
+    from k3.distill.mopd import check_same_tokenizer
+    from k3.train.trainer import load_trained_model
+
+    path = Path(path)
+    if (path / "checkpoint").is_dir():
+        path = path / "checkpoint"
+    model, manifest = load_trained_model(path)
+    check_same_tokenizer(what, path, manifest, tokenizer.fingerprint, tokenizer.vocab_size)
+    return model, manifest
+
+
+def _teachers_tokenizer(teachers_dir):
+    from k3.data.tokenizer import load_tokenizer
+    from k3.distill.mopd import read_teachers_file
+
+    info = read_teachers_file(teachers_dir)
+    tok = load_tokenizer(Path(teachers_dir) / info["tokenizer"])
+    if tok.fingerprint != info["tokenizer_sha256"]:
+        raise ValueError(f"{Path(teachers_dir) / info['tokenizer']} changed since the teachers were trained (sha256 "
+                         "differs from teachers.json); restore it or retrain with `k3 distill teachers --overwrite`")
+    return info, tok
+
+
+# ---------------------------------------------------------------------- k3 distill teachers
+def cmd_teachers(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3.data.tokenizer import load_tokenizer, train_tokenizer
+    from k3.distill.domains import CELLS, cell_name, make_domains, problem_rng, sft_example, tokenizer_texts
+    from k3.distill.loop import LoopConfig
+    from k3.distill.mopd import TEACHERS_FILE, TEACHERS_FORMAT
+    from k3.distill.sft import run_sft
+    from k3.fileio import atomic_write_json
+    from k3.model.transformer import K3Model
+    from k3.train import checkpoint as ckpt
+    from k3.train.cli import set_threads
+
+    set_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budgets = _parse_budgets(args.budgets)
+    cells = _parse_cells(args.cells)
+    domains = make_domains()
+    tok_path = out / "tokenizer.json"
+    if args.tokenizer:
+        tok = load_tokenizer(args.tokenizer)
+        if tok_path.is_file() and load_tokenizer(tok_path).fingerprint != tok.fingerprint and not args.overwrite:
+            raise ValueError(f"{tok_path} holds another tokenizer; teachers in one directory share one (pass "
+                             "--overwrite to replace it and retrain everything, or another --out)")
+        tok.save(tok_path)
+    elif tok_path.is_file():
+        tok = load_tokenizer(tok_path)
+    else:
+        tok = train_tokenizer(tokenizer_texts(domains, seed=args.seed), args.vocab_size, path=tok_path,
+                              allow_short=True)
+        print(f"tokenizer  {tok_path} ({tok.vocab_size} tokens, trained on the three domains)")
+    config = config_from_args(args)
+    if any(s.startswith("vocab_size=") for s in args.set) and config.vocab_size != tok.vocab_size:
+        raise ValueError(f"--set vocab_size={config.vocab_size} differs from the tokenizer's {tok.vocab_size}; drop it")
+    config = config.replace(vocab_size=tok.vocab_size, max_context=args.max_context)
+    extra = {"tokenizer_sha256": tok.fingerprint, "budgets": budgets}
+    info_path = out / TEACHERS_FILE
+    info = json.loads(info_path.read_text()) if info_path.is_file() and not args.overwrite else {}
+    if info and info.get("tokenizer_sha256") != tok.fingerprint:
+        raise ValueError(f"{info_path} was made with another tokenizer; pass --overwrite or another --out")
+    if info and info.get("budgets") != budgets:
+        raise ValueError(f"{info_path} has budgets {info.get('budgets')}, not {budgets}; pass the same --budgets, "
+                         "--overwrite, or another --out")
+
+    def lc(steps: int) -> LoopConfig:
+        return LoopConfig(steps=steps, lr=args.lr, warmup_steps=min(args.warmup_steps, steps), seed=args.seed,
+                          keep_last=1, weight_decay=0.0)
+
+    def stage(name: str, model, examples, steps: int, stage_extra: dict) -> None:
+        run = out / name
+        latest = ckpt.latest_checkpoint(run / "checkpoint")
+        if latest is not None and not args.overwrite:
+            manifest = ckpt.read_manifest(latest, verify=False)
+            if int(manifest["step"]) >= steps:
+                ckpt.load_checkpoint(latest, model, config=config, restore_rng=False)
+                print(f"{name:<14} already trained ({manifest['step']} steps): {latest}")
+                return
+            if not args.resume:
+                raise ValueError(f"{run} holds a partial run ({manifest['step']}/{steps} steps); pass --resume to "
+                                 "continue it or --overwrite to start over")
+        bar = _Bar(steps, name, not args.quiet, keys=("loss",))
+        try:
+            records = run_sft(model, examples, lc(steps), run, resume=latest is not None and args.resume
+                              and not args.overwrite, overwrite=args.overwrite,
+                              manifest_extra={**extra, **stage_extra}, on_record=bar,
+                              resume_fields={"batch_size": args.batch_size, **stage_extra})
+        finally:
+            bar.close()
+        last = [r for r in records if r.get("kind") == "train"]
+        print(f"{name:<14} {len(last)} steps, last loss {last[-1]['loss']:.4f}" if last else f"{name}: nothing to do")
+
+    # the shared base: every cell's worked examples, mixed; the student starts here too
+    torch.manual_seed(args.seed)
+    base = K3Model(config)
+
+    def base_examples(step: int):
+        out_ = []
+        for j in range(args.batch_size):
+            rng = problem_rng("sft-base", args.seed, step, j)
+            d, e = CELLS[rng.randrange(len(CELLS))]
+            out_.append(sft_example(domains[d], domains[d].sample(rng), e, tok, budgets))
+        return out_
+
+    stage("base", base, base_examples, args.base_steps, {"cell": "all"})
+    listed = dict(info.get("teachers", {}))
+    for d, e in cells:
+        name = f"{d}-{e}"
+        teacher = copy.deepcopy(base)
+
+        def examples(step: int, d=d, e=e):
+            return [sft_example(domains[d], domains[d].sample(problem_rng("sft", args.seed, d, e, step, j)), e, tok,
+                                budgets) for j in range(args.batch_size)]
+
+        stage(name, teacher, examples, args.steps, {"cell": cell_name(d, e)})
+        listed[cell_name(d, e)] = name
+        atomic_write_json(info_path, {"format": TEACHERS_FORMAT, "tokenizer": "tokenizer.json",
+                                      "tokenizer_sha256": tok.fingerprint, "budgets": budgets,
+                                      "config": config.to_dict(), "base": "base",
+                                      "teachers": dict(sorted(listed.items())),
+                                      "steps": {"base": args.base_steps, "teacher": args.steps},
+                                      "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed})
+    print(f"teachers   {info_path} ({len(listed)} cells)")
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 distill mopd
+def _eval_closure(out: Path, teachers, student, domains, tok, mc, args):
+    """evaluate(step) for the loop: the student on eval_n evaluation problems per cell, gaps to the teachers
+    (teachers scored once, cached in OUT/teacher_eval.json)."""
+    from k3.distill.domains import cell_name, eval_problems
+    from k3.distill.evaluate import effort_lengths, evaluate_cells
+    from k3.fileio import atomic_write_json
+
+    if mc.eval_n <= 0:
+        return None
+    problems = {c: ps for c, ps in eval_problems(domains, mc.eval_n, mc.eval_seed).items() if c in mc.cells}
+    key = {"eval_n": mc.eval_n, "eval_seed": mc.eval_seed, "budgets": mc.budgets,
+           "max_answer_tokens": mc.max_answer_tokens,
+           "teachers": {cell_name(*c): teachers.sources.get(c, "") for c in mc.cells},
+           "teachers_dir": str(Path(args.teachers).resolve())}
+    cache = out / "teacher_eval.json"
+    teacher_res = None
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == key:
+            teacher_res = saved["result"]
+    if teacher_res is None:
+        print("scoring the teachers on the evaluation problems ...", file=sys.stderr)
+        teacher_res = evaluate_cells({c: teachers.for_cell(c) for c in problems}, problems, domains, tok, mc.budgets,
+                                     mc.max_answer_tokens)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(cache, {"key": key, "result": teacher_res})
+
+    def evaluate(step: int) -> dict:
+        res = evaluate_cells(student, problems, domains, tok, mc.budgets, mc.max_answer_tokens)
+        scores = {c: round(v["score"], 4) for c, v in res.items()}
+        gap = {c: round(v["score"] - teacher_res[c]["score"], 4) for c, v in res.items()}
+        return {"scores": scores, "teacher_scores": {c: teacher_res[c]["score"] for c in res}, "gap": gap,
+                "reasoning_tokens": {e: round(v, 3) for e, v in effort_lengths(res).items()},
+                "mean_score": sum(scores.values()) / len(scores), "mean_gap": sum(gap.values()) / len(gap)}
+    return evaluate
+
+
+def cmd_mopd(args: argparse.Namespace) -> int:
+    from k3.distill.domains import make_domains
+    from k3.distill.evaluate import plot_gaps
+    from k3.distill.loop import LoopConfig
+    from k3.distill.mopd import MOPDConfig, load_teacher_matrix, run_mopd
+    from k3.train.cli import set_threads
+    from k3.train.metrics import read_metrics
+
+    set_threads(args.threads)
+    info, tok = _teachers_tokenizer(args.teachers)
+    mc = MOPDConfig(mode=args.mode, kl=args.kl, per_cell=args.per_cell, cells=_parse_cells(args.cells),
+                    temperature=args.temperature, max_answer_tokens=args.max_answer_tokens,
+                    reward_coef=args.reward_coef, budgets=dict(info["budgets"]), eval_n=args.eval_n,
+                    eval_seed=args.eval_seed).validate()
+    token_budget = args.token_budget
+    if args.match_tokens:
+        recs = [r for r in read_metrics(Path(args.match_tokens) / "metrics.jsonl") if r.get("kind") == "train"]
+        if not recs:
+            raise ValueError(f"--match-tokens {args.match_tokens}: its metrics.jsonl has no training records")
+        token_budget = int(recs[-1]["tokens"])
+    lc = LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
+                    seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                    token_budget=token_budget, keep_last=2).validate()
+    student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
+    student, _ = _load_model(student_path, tok, "student")
+    teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, args.single_teacher, mc.cells)
+    out = Path(args.out)
+    domains = make_domains()
+    evaluate = _eval_closure(out, teachers, student, domains, tok, mc, args)
+    keys = ("loss", "reverse_kl") if mc.mode == "on-policy" else ("loss",)
+    bar = _Bar(lc.steps, f"mopd {mc.mode}", not args.quiet, keys=keys)
+    try:
+        records = run_mopd(student, teachers, tok, domains, mc, lc, out, resume=args.resume, overwrite=args.overwrite,
+                           evaluate=evaluate, on_record=bar,
+                           manifest_extra={"student_init": str(student_path), "single_teacher": args.single_teacher})
+    finally:
+        bar.close()
+    train = [r for r in records if r.get("kind") == "train"]
+    all_recs = read_metrics(out / "metrics.jsonl")
+    if any(r.get("kind") == "eval" for r in all_recs):
+        print(f"gap plot   {plot_gaps(all_recs, out / 'gap.png')}")
+    if train:
+        t = train[-1]
+        print(f"{mc.mode} distillation: {t['step']} steps, {t['tokens']:,} completion tokens, "
+              f"last loss {t['loss']:.4f}")
+    evals = [r for r in all_recs if r.get("kind") == "eval"]
+    if evals:
+        print(f"evaluation mean score {evals[-1]['mean_score']:.3f} "
+              f"(mean gap to teachers {evals[-1]['mean_gap']:+.3f}); "
+              f"reasoning tokens {evals[-1]['reasoning_tokens']}")
+    print(f"metrics    {out / 'metrics.jsonl'}")
+    print(f"checkpoint {out / 'checkpoint'}")
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 distill eval
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from k3.distill.domains import cell_name, eval_problems, make_domains
+    from k3.distill.evaluate import evaluate_cells, markdown, plot_gaps, table
+    from k3.distill.mopd import load_teacher_matrix
+    from k3.fileio import atomic_write_json, atomic_write_text
+    from k3.train.cli import set_threads
+    from k3.train.metrics import read_metrics
+
+    set_threads(args.threads)
+    info, tok = _teachers_tokenizer(args.teachers)
+    budgets = info["budgets"]
+    domains = make_domains()
+    named = []
+    if not args.no_base:
+        named.append(("base", Path(args.teachers) / info["base"]))
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model {item!r}: expected NAME=PATH (a run directory or checkpoint)")
+        named.append((name, Path(path)))
+    models = {name: _load_model(path, tok, f"model {name}")[0] for name, path in named}
+    cells = _parse_cells(args.cells)
+    teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, cells=cells)
+    problems = {c: ps for c, ps in eval_problems(domains, args.n, args.seed).items() if c in cells}
+    n_rows = sum(len(v) for v in problems.values()) * (1 + len(models))
+    bar = tqdm(total=n_rows, unit="answer", desc="eval", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
+    try:
+        teacher_res = evaluate_cells({c: teachers.for_cell(c) for c in problems}, problems, domains, tok, budgets,
+                                     args.max_answer_tokens, progress=bar.update)
+        results = {name: evaluate_cells(m, problems, domains, tok, budgets, args.max_answer_tokens,
+                                        progress=bar.update, teachers=teachers) for name, m in models.items()}
+    finally:
+        bar.close()
+    report = table(teacher_res, results)
+    report["settings"] = {"n_per_cell": args.n, "seed": args.seed, "budgets": budgets,
+                          "teachers": str(args.teachers), "models": {n: str(p) for n, p in named},
+                          "cells": [cell_name(*c) for c in problems]}
+    report["details"] = {"teacher": teacher_res, **results}
+    if args.gap_run:
+        recs = read_metrics(Path(args.gap_run) / "metrics.jsonl")
+        report["gap_plot"] = str(plot_gaps(recs, args.plot or Path(args.gap_run) / "gap.png"))
+    if args.out:
+        atomic_write_json(args.out, report)
+    md = markdown(report)
+    if args.markdown:
+        atomic_write_text(args.markdown, md)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(md, end="")
+        if args.out:
+            print(f"json       {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 distill generate
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3.data.tokenizer import load_tokenizer
+    from k3.distill.effort import THINKING_BUDGETS, prompt_from_text, split_completion
+    from k3.distill.rollout import sample
+
+    if args.teachers:
+        info, tok = _teachers_tokenizer(args.teachers)
+        budgets = info["budgets"]
+    elif args.tokenizer:
+        tok, budgets = load_tokenizer(args.tokenizer), dict(THINKING_BUDGETS)
+    else:
+        raise ValueError("pass --teachers DIR (its tokenizer and budgets) or --tokenizer PATH")
+    ids, effort = prompt_from_text(args.prompt, tok)
+    model, _ = _load_model(args.model, tok, "model")
+    ro = sample(model, [ids], [budgets[effort]], args.max_answer_tokens, args.temperature,
+                torch.Generator().manual_seed(args.seed))
+    reasoning, answer, closed = split_completion(ro.completion(0))
+    print(json.dumps({"effort": effort, "budget": budgets[effort], "reasoning": tok.decode(reasoning),
+                      "reasoning_tokens": ro.reasoning_tokens[0], "forced_close": ro.forced_close[0],
+                      "answer": tok.decode(answer), "closed": closed}, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------- k3 distill plot
+def cmd_plot(args: argparse.Namespace) -> int:
+    from k3.distill.evaluate import plot_gaps
+    from k3.train.metrics import read_metrics
+
+    path = Path(args.run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} not found; pass the --out directory of a `k3 distill mopd` run")
+    print(plot_gaps(read_metrics(path), args.out or Path(args.run) / "gap.png"))
+    return 0
+
+
+# ---------------------------------------------------------------------- registration
+def register(sub) -> None:
+    top = sub.add_parser("distill", help="MOPD: a (domain x effort) teacher matrix distilled on-policy into one model",
+                         description="Multi-teacher on-policy distillation (docs/mopd.md).")
+    dsub = top.add_subparsers(dest="distill_command", metavar="SUBCOMMAND")
+    top.set_defaults(func=lambda a: (top.print_help(), 2)[1])
+
+    p = dsub.add_parser("teachers", help="train the shared base and one teacher per (domain, effort) cell by SFT",
+                        description="Train a domain tokenizer (unless --tokenizer), a base model on every cell's "
+                                    "worked examples, then one teacher per cell fine-tuned from the base on examples "
+                                    "whose reasoning fits that effort's budget. Writes OUT/teachers.json.")
+    add_config_args(p, default="mini")
+    p.add_argument("--out", default=DEFAULT_TEACHERS, help=f"output directory (default {DEFAULT_TEACHERS})")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json to use (default: train one on the domains)")
+    p.add_argument("--vocab-size", type=int, default=512, help="domain tokenizer size when training one (default 512)")
+    p.add_argument("--max-context", type=int, default=256, help="model max_context (default 256)")
+    p.add_argument("--budgets", default=None, help="thinking budgets, e.g. low=8,medium=16,high=32 (the default)")
+    p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
+    p.add_argument("--base-steps", type=int, default=300, help="SFT steps of the shared base (default 300)")
+    p.add_argument("--steps", type=int, default=150, help="SFT steps per teacher, from the base (default 150)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--resume", action="store_true", help="continue partially trained stages")
+    p.add_argument("--overwrite", action="store_true", help="retrain every stage from scratch")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_teachers)
+
+    p = dsub.add_parser("mopd", help="distil the teacher matrix into a student (on-policy, or the off-policy baseline)",
+                        description="The student samples on-policy under each cell's thinking budget; every token "
+                                    "is trained with the reverse KL to its cell's teacher. Writes OUT/metrics.jsonl, "
+                                    "OUT/checkpoint/, OUT/gap.png.")
+    p.add_argument("--teachers", default=DEFAULT_TEACHERS,
+                   help=f"`k3 distill teachers` output (default {DEFAULT_TEACHERS})")
+    p.add_argument("--student", default=None, help="initial student (default: the teachers' shared base)")
+    p.add_argument("--out", default="runs/mopd/student", help="output directory (default runs/mopd/student)")
+    p.add_argument("--mode", choices=("on-policy", "off-policy"), default="on-policy",
+                   help="on-policy = MOPD; off-policy = SFT on teacher samples (baseline)")
+    p.add_argument("--kl", choices=("full", "sampled"), default="full",
+                   help="full = exact reverse KL over the vocabulary; sampled = log-ratio reward estimator")
+    p.add_argument("--single-teacher", default=None, choices=("low", "medium", "high"),
+                   help="baseline: one teacher per domain (that effort's) for every effort of the domain")
+    p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--per-cell", type=int, default=2, help="prompts per cell per step (default 2: batch 18)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1: on-policy)")
+    p.add_argument("--max-answer-tokens", type=int, default=40)
+    p.add_argument("--reward-coef", type=float, default=0.0, help="weight of the verifier reward (default 0: off)")
+    p.add_argument("--token-budget", type=int, default=None, help="stop after this many completion tokens")
+    p.add_argument("--match-tokens", default=None, metavar="RUN_DIR",
+                   help="stop at the completion tokens another run trained on (the off-policy baseline's budget)")
+    p.add_argument("--eval-every", type=int, default=25, help="evaluation every N steps (default 25)")
+    p.add_argument("--eval-n", type=int, default=8, help="evaluation problems per cell per evaluation (0: none)")
+    p.add_argument("--eval-seed", type=int, default=0)
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint (exactly)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_mopd)
+
+    p = dsub.add_parser("eval", help="the 9-cell table: teacher, student and baselines, reasoning tokens per effort")
+    p.add_argument("--teachers", default=DEFAULT_TEACHERS)
+    p.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                   help="a model to score on every cell (run dir or checkpoint), e.g. mopd=runs/mopd/student")
+    p.add_argument("--no-base", action="store_true", help="do not score the teachers' shared base")
+    p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
+    p.add_argument("--n", type=int, default=32, help="evaluation problems per cell (default 32)")
+    p.add_argument("--seed", type=int, default=1, help="evaluation problem seed (default 1; training evals use 0)")
+    p.add_argument("--max-answer-tokens", type=int, default=40)
+    p.add_argument("--out", default=None, help="write the report JSON here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+    p.add_argument("--gap-run", default=None, help="an MOPD run dir: plot its student-minus-teacher gaps")
+    p.add_argument("--plot", default=None, help="gap plot path (default GAP_RUN/gap.png)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = dsub.add_parser("plot", help="redraw a run's student-minus-teacher gap plot (RUN/gap.png)")
+    p.add_argument("run", help="a `k3 distill mopd` output directory")
+    p.add_argument("--out", default=None, help="PNG path (default RUN/gap.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = dsub.add_parser("generate",
+                        help="answer one prompt that carries its effort token, e.g. '<|effort:low|> sum 3+4'")
+    p.add_argument("--model", required=True, help="run dir or checkpoint")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--teachers", default=None, help="teachers dir (tokenizer and budgets); or --tokenizer")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--max-answer-tokens", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)

@@ -1,0 +1,343 @@
+"""MOPD: multi-teacher on-policy distillation of a (domain x effort) teacher matrix into one student.
+
+Each step draws `per_cell` prompts from every cell, the student samples a completion for each (on-policy,
+temperature 1, under the cell's thinking budget), and every completion token is trained towards the
+teacher of the prompt's cell with the reverse KL at that position:
+
+  full     KL(p_s || p_t) = sum_v p_s(v) (log p_s(v) - log p_t(v)), exact over the vocabulary, per position
+           of the student's own sequence: on-policy generalized knowledge distillation with the reverse KL
+           (GKD, Agarwal et al., arXiv 2306.13649; reverse KL for LMs: MiniLLM, Gu et al., arXiv 2306.08543).
+  sampled  the one-sample estimator: the sampled token's log-ratio as a per-token reward,
+           A_t = sg(log p_t(x_t) - log p_s(x_t)), loss = -A_t log p_s(x_t), with no discounting: Thinking
+           Machines' "On-policy distillation" (Lu et al., 2025) and MiMo-V2-Flash's MOPD (arXiv 2601.02780),
+           whose per-token advantage is sg[log pi_T - log pi_S] with the teacher chosen per domain.
+
+Both are averaged over all completion tokens of the batch. Forced tokens (the budget's `<|/think|>`, the
+answer cap's `<|end|>`) were not drawn from the student: the full form trains them like any position
+(it does not depend on the token taken), the sampled estimator skips them. An optional verifier reward
+adds REINFORCE on the domain checks: -coef * (r - mean r) * sum_t log p_s(x_t) / tokens.
+
+`mode = "off-policy"` is the baseline the report's gap needs: the same prompts, but completions sampled
+from the cell's teacher and learnt with cross-entropy (SFT on teacher samples), stopped at the same
+token budget as an on-policy run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from k3.distill.domains import CELLS, DOMAIN_NAMES, Domain, cell_name, parse_cell, problem_rng
+from k3.distill.effort import EFFORTS, THINKING_BUDGETS, build_prompt, check_budgets, check_effort
+from k3.distill.loop import LoopConfig, StepLoop
+from k3.distill.rollout import Rollout, merge_rollouts, sample
+from k3.distill.sft import masked_ce
+
+log = logging.getLogger(__name__)
+
+TEACHERS_FILE = "teachers.json"
+TEACHERS_FORMAT = "k3-mopd-teachers/1"
+KL_KINDS = ("full", "sampled")
+MODES = ("on-policy", "off-policy")
+
+
+# ---------------------------------------------------------------------- losses
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p_s || p_t) over the vocabulary: logits [..., V] -> [...]."""
+    ls = F.log_softmax(student_logits.float(), dim=-1)
+    lt = F.log_softmax(teacher_logits.float(), dim=-1)
+    return (ls.exp() * (ls - lt)).sum(-1)
+
+
+def reverse_kl_reference(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """The same, one position and one vocabulary entry at a time (slow; for tests)."""
+    s2, t2 = student_logits.reshape(-1, student_logits.shape[-1]), teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    out = []
+    for s, t in zip(s2, t2):
+        zs = torch.logsumexp(s.double(), 0)
+        zt = torch.logsumexp(t.double(), 0)
+        total = torch.zeros((), dtype=torch.float64)
+        for v in range(s.shape[0]):
+            lps, lpt = s[v].double() - zs, t[v].double() - zt
+            total = total + lps.exp() * (lps - lpt)
+        out.append(total)
+    return torch.stack(out).reshape(student_logits.shape[:-1]).float()
+
+
+def sampled_reverse_kl_surrogate(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                                 tokens: torch.Tensor) -> torch.Tensor:
+    """Per-position surrogate -sg(log p_t(x) - log p_s(x)) * log p_s(x); its gradient is the one-sample
+    policy-gradient estimate of the reverse KL's. logits [..., V], tokens [...] -> [...]."""
+    ls = F.log_softmax(student_logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    lt = F.log_softmax(teacher_logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    advantage = (lt - ls).detach()
+    return -advantage * ls
+
+
+def mopd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, rollout: Rollout,
+              kl: str = "full") -> tuple[torch.Tensor, dict]:
+    """Token-mean distillation loss over a rollout. logits [B, T, V] of rollout.ids; position t predicts
+    ids[:, t + 1]. -> (loss, {"reverse_kl": exact mean KL per completion token, "kl_per_row": [B]})."""
+    if kl not in KL_KINDS:
+        raise ValueError(f"kl = {kl!r}; choose one of {', '.join(KL_KINDS)}")
+    s, t = student_logits[:, :-1], teacher_logits[:, :-1].detach()
+    cmask = rollout.completion_mask[:, 1:]
+    kl_pos = reverse_kl(s, t)  # [B, T-1]
+    n = cmask.sum().clamp(min=1)
+    if kl == "full":
+        loss = (kl_pos * cmask).sum() / n
+    else:
+        smask = rollout.sampled_mask[:, 1:]
+        loss = (sampled_reverse_kl_surrogate(s, t, rollout.ids[:, 1:]) * smask).sum() / smask.sum().clamp(min=1)
+    with torch.no_grad():
+        kl_rows = (kl_pos * cmask).sum(1) / cmask.sum(1).clamp(min=1)
+    return loss, {"reverse_kl": float((kl_pos.detach() * cmask).sum() / n), "kl_per_row": kl_rows}
+
+
+def reward_loss(student_logits: torch.Tensor, rollout: Rollout, rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with the batch-mean baseline on the sampled tokens: -(r - mean r) * sum_t log p_s / tokens."""
+    smask = rollout.sampled_mask[:, 1:]
+    lp = F.log_softmax(student_logits[:, :-1].float(), dim=-1).gather(-1, rollout.ids[:, 1:, None]).squeeze(-1)
+    adv = (rewards - rewards.mean())[:, None]
+    return -(adv * lp * smask).sum() / smask.sum().clamp(min=1)
+
+
+# ---------------------------------------------------------------------- the teacher matrix
+class TeacherMatrix:
+    """One teacher per (domain, effort) cell; several cells may share a model (the single-teacher baseline)."""
+
+    def __init__(self, teachers: dict[tuple[str, str], torch.nn.Module],
+                 sources: dict[tuple[str, str], str] | None = None):
+        if not teachers:
+            raise ValueError("the teacher matrix is empty")
+        for cell in teachers:
+            parse_cell(cell_name(*cell))
+        self.teachers = dict(teachers)
+        self.sources = dict(sources or {})
+        for m in self.teachers.values():
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad_(False)
+
+    def for_cell(self, cell: tuple[str, str]) -> torch.nn.Module:
+        if cell not in self.teachers:
+            raise ValueError(f"no teacher for cell {cell_name(*cell)}; the matrix has "
+                             f"{', '.join(cell_name(*c) for c in self.teachers)}")
+        return self.teachers[cell]
+
+    def _groups(self, cells: Sequence[tuple[str, str]]) -> list[tuple[torch.nn.Module, list[int]]]:
+        """Rows grouped by teacher model (a model shared by several cells runs once)."""
+        groups: dict[int, tuple[torch.nn.Module, list[int]]] = {}
+        for i, c in enumerate(cells):
+            m = self.for_cell(c)
+            groups.setdefault(id(m), (m, []))[1].append(i)
+        return list(groups.values())
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, cells: Sequence[tuple[str, str]]) -> torch.Tensor:
+        """Each row's logits under its cell's teacher: ids [B, T] -> [B, T, V] (no graph)."""
+        if len(cells) != ids.shape[0]:
+            raise ValueError(f"{ids.shape[0]} rows but {len(cells)} cells")
+        out = None
+        for m, rows in self._groups(cells):
+            lg = m(ids[rows]).float()
+            if out is None:
+                out = lg.new_zeros(ids.shape[0], ids.shape[1], lg.shape[-1])
+            out[rows] = lg
+        return out
+
+    def sample(self, prompts: Sequence[Sequence[int]], cells: Sequence[tuple[str, str]], budgets: Sequence[int],
+               max_answer_tokens: int, temperature: float, seed: int) -> Rollout:
+        """Each row sampled from its cell's teacher (the off-policy baseline's data)."""
+        parts = []
+        for k, (m, rows) in enumerate(self._groups(cells)):
+            g = torch.Generator().manual_seed(seed + 7919 * k)
+            parts.append((rows, sample(m, [prompts[i] for i in rows], [budgets[i] for i in rows],
+                                       max_answer_tokens, temperature, g)))
+        return merge_rollouts(parts, len(prompts))
+
+
+def read_teachers_file(teachers_dir: str | os.PathLike) -> dict:
+    path = Path(teachers_dir) / TEACHERS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} not found; train the teacher matrix with `k3 distill teachers --out {teachers_dir}`")
+    try:
+        info = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); rerun `k3 distill teachers`") from None
+    if info.get("format") != TEACHERS_FORMAT:
+        raise ValueError(f"{path}: format is {info.get('format')!r}, expected {TEACHERS_FORMAT!r}")
+    return info
+
+
+def check_same_tokenizer(what: str, path, manifest: dict, tokenizer_sha256: str, vocab_size: int) -> None:
+    """A distillation pair must share one tokenizer: the loss compares distributions id by id."""
+    got = manifest.get("extra", {}).get("tokenizer_sha256")
+    if got is None:
+        raise ValueError(f"{what} ({path}) records no tokenizer (extra.tokenizer_sha256 in its manifest); "
+                         "distillation needs models trained with the student's tokenizer: train it with "
+                         "`k3 distill teachers`")
+    if got != tokenizer_sha256:
+        raise ValueError(f"{what} ({path}) was trained with tokenizer sha256 {got[:12]}... but the student uses "
+                         f"{tokenizer_sha256[:12]}...; the reverse KL compares the two distributions token id by "
+                         "token id, so teacher and student must share one tokenizer: retrain the teacher with the "
+                         "student's (`k3 distill teachers --tokenizer PATH`)")
+    vocab = manifest.get("config", {}).get("vocab_size")
+    if vocab != vocab_size:
+        raise ValueError(f"{what} ({path}) has vocab_size {vocab} but the student has {vocab_size}; they must share "
+                         "one tokenizer and vocabulary")
+
+
+def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, vocab_size: int,
+                        single_effort: str | None = None,
+                        cells: Sequence[tuple[str, str]] = CELLS) -> TeacherMatrix:
+    """The teachers listed in TEACHERS_DIR/teachers.json, each checked against the student's tokenizer.
+    `single_effort`: the single-teacher-per-domain baseline, every cell of a domain taught by that effort's
+    teacher."""
+    from k3.train.trainer import load_trained_model
+
+    info = read_teachers_file(teachers_dir)
+    listed = info.get("teachers", {})
+    loaded: dict[str, torch.nn.Module] = {}
+    teachers, sources = {}, {}
+    for d, e in cells:
+        src = cell_name(d, check_effort(single_effort) if single_effort else e)
+        if src not in listed:
+            raise ValueError(f"{Path(teachers_dir) / TEACHERS_FILE} lists no teacher for {src}; train it with "
+                             f"`k3 distill teachers --out {teachers_dir} --cells {src}`")
+        if src not in loaded:
+            path = Path(teachers_dir) / listed[src] / "checkpoint"
+            model, manifest = load_trained_model(path)
+            check_same_tokenizer(f"teacher {src}", path, manifest, tokenizer_sha256, vocab_size)
+            loaded[src] = model
+        teachers[(d, e)], sources[(d, e)] = loaded[src], src
+    return TeacherMatrix(teachers, sources)
+
+
+# ---------------------------------------------------------------------- the MOPD run
+@dataclass
+class MOPDConfig:
+    mode: str = "on-policy"  # on-policy | off-policy (SFT on teacher samples)
+    kl: str = "full"  # full | sampled
+    per_cell: int = 2  # prompts per cell per step
+    cells: tuple = CELLS
+    temperature: float = 1.0
+    max_answer_tokens: int = 40
+    reward_coef: float = 0.0  # > 0 adds the verifier reward (REINFORCE) to the distillation loss
+    budgets: dict = field(default_factory=lambda: dict(THINKING_BUDGETS))
+    eval_n: int = 8  # held-out problems per cell at each evaluation during training (0: none)
+    eval_seed: int = 0
+
+    def validate(self) -> "MOPDConfig":
+        if self.mode not in MODES:
+            raise ValueError(f"mode = {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.kl not in KL_KINDS:
+            raise ValueError(f"kl = {self.kl!r}; choose one of {', '.join(KL_KINDS)}")
+        if not isinstance(self.per_cell, int) or self.per_cell < 1:
+            raise ValueError(f"per_cell = {self.per_cell!r} must be a positive integer")
+        if not self.cells:
+            raise ValueError("cells is empty; distil at least one (domain, effort) cell")
+        self.cells = tuple(tuple(c) for c in self.cells)
+        for c in self.cells:
+            parse_cell(cell_name(*c))
+        if not self.temperature > 0:
+            raise ValueError(f"temperature = {self.temperature} must be > 0 for on-policy sampling")
+        if self.reward_coef < 0:
+            raise ValueError(f"reward_coef = {self.reward_coef} must be >= 0")
+        if self.reward_coef > 0 and self.mode != "on-policy":
+            raise ValueError("the verifier reward (reward_coef > 0) needs on-policy samples; use mode on-policy")
+        self.budgets = check_budgets(self.budgets)
+        return self
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cells"] = [cell_name(*c) for c in self.cells]
+        return d
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + 17) % (2 ** 62)
+
+
+def batch_problems(domains: dict[str, Domain], mc: MOPDConfig, seed: int, step: int):
+    """The step's prompts: per_cell problems from every cell -> (problems, cells)."""
+    problems, cells = [], []
+    for d, e in mc.cells:
+        for j in range(mc.per_cell):
+            problems.append(domains[d].sample(problem_rng("mopd", seed, step, d, e, j)))
+            cells.append((d, e))
+    return problems, cells
+
+
+def score(domains: dict[str, Domain], problems, answers, cells) -> torch.Tensor:
+    """Verifier reward per row, each domain checked in one batch."""
+    r = torch.zeros(len(problems))
+    for d in DOMAIN_NAMES:
+        rows = [i for i, c in enumerate(cells) if c[0] == d]
+        if rows:
+            r[rows] = torch.tensor(domains[d].check([problems[i] for i in rows], [answers[i] for i in rows]))
+    return r
+
+
+def mopd_step_fn(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domains: dict[str, Domain],
+                 mc: MOPDConfig, seed: int) -> Callable[[int], dict]:
+    def step_fn(step: int) -> dict:
+        problems, cells = batch_problems(domains, mc, seed, step)
+        prompts = [build_prompt(p.text, e, tokenizer) for p, (_, e) in zip(problems, cells)]
+        budgets = [mc.budgets[e] for _, e in cells]
+        if mc.mode == "on-policy":
+            ro = sample(student, prompts, budgets, mc.max_answer_tokens, mc.temperature,
+                        torch.Generator().manual_seed(step_seed(seed, step)))
+        else:
+            ro = teachers.sample(prompts, cells, budgets, mc.max_answer_tokens, mc.temperature, step_seed(seed, step))
+        student.train()
+        logits = student(ro.ids)
+        aux = student.aux_loss() if hasattr(student, "aux_loss") else 0.0
+        rec: dict = {}
+        if mc.mode == "on-policy":
+            loss, info = mopd_loss(logits, teachers.logits(ro.ids, cells), ro, mc.kl)
+            rec["reverse_kl"] = info["reverse_kl"]
+            rec["reverse_kl_by_cell"] = {cell_name(*c): round(float(info["kl_per_row"][[i for i, x in enumerate(cells)
+                                                                                          if x == c]].mean()), 5)
+                                         for c in mc.cells}
+        else:
+            loss, _ = masked_ce(logits, ro.ids, ro.completion_mask)
+            rec["ce"] = float(loss.detach())
+        if mc.reward_coef > 0:
+            rewards = score(domains, problems, ro.answers(tokenizer), cells)
+            rec["reward"] = float(rewards.mean())
+            loss = loss + mc.reward_coef * reward_loss(logits, ro, rewards)
+        rec["reasoning_tokens"] = {e: round(sum(r for r, (_, x) in zip(ro.reasoning_tokens, cells) if x == e)
+                                            / max(1, sum(1 for _, x in cells if x == e)), 3)
+                                   for e in EFFORTS if any(x == e for _, x in cells)}
+        rec["forced_close"] = round(sum(ro.forced_close) / len(cells), 4)
+        rec["completion_tokens"] = ro.n_completion_tokens
+        return {"loss": loss + aux, "tokens": ro.n_completion_tokens, **rec}
+    return step_fn
+
+
+def run_mopd(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domains: dict[str, Domain],
+             mc: MOPDConfig, lc: LoopConfig, out_dir: str | os.PathLike | None, *, resume: bool = False,
+             overwrite: bool = False, evaluate: Callable[[int], dict | None] | None = None,
+             on_record: Callable[[dict], None] | None = None, manifest_extra: dict | None = None) -> list[dict]:
+    """Distil `teachers` into `student` in place (see the module docstring); returns the run's records."""
+    mc.validate()
+    missing = [cell_name(*c) for c in mc.cells if c not in teachers.teachers]
+    if missing:
+        raise ValueError(f"the teacher matrix has no teacher for {', '.join(missing)}")
+    if student.config.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"the student's vocab_size ({student.config.vocab_size}) is not its tokenizer's "
+                         f"({tokenizer.vocab_size}); load the student trained with this tokenizer")
+    resume_fields = {"mopd": {k: v for k, v in mc.to_dict().items() if k not in ("eval_n", "eval_seed")},
+                     "teachers": {cell_name(*c): teachers.sources.get(c, "") for c in mc.cells}}
+    loop = StepLoop(student, lc, out_dir, {"kind": f"mopd-{mc.mode}", "tokenizer_sha256": tokenizer.fingerprint,
+                                           **(manifest_extra or {})}, resume_fields)
+    return loop.fit(mopd_step_fn(student, teachers, tokenizer, domains, mc, lc.seed), resume=resume,
+                    overwrite=overwrite, evaluate=evaluate, on_record=on_record)

@@ -1,0 +1,71 @@
+import json
+
+from k3.cli import main
+from k3.train.metrics import read_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
+    """The whole pipeline on one cell at toy scale; then the bad inputs the issue names."""
+    t, m = tmp_path / "teachers", tmp_path / "student"
+    assert main(["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+                 str(domain_tokenizer.path), "--out", str(t), "--cells", "arith/low", "--base-steps", "2",
+                 "--steps", "1",
+                 "--batch-size", "2", "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]) == 0
+    info = json.loads((t / "teachers.json").read_text())
+    assert info["teachers"] == {"arith/low": "arith-low"} and info["tokenizer_sha256"] == domain_tokenizer.fingerprint
+    assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000002"
+    capsys.readouterr()
+    # a second call finds the stages trained and does not redo them
+    assert main(["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--out", str(t), "--cells",
+                 "arith/low", "--base-steps", "2", "--steps", "1", "--max-context", "128",
+                 "--budgets", "low=2,medium=3,high=4", "-q"]) == 0
+    assert "already trained" in capsys.readouterr().out
+
+    assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "2",
+                 "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q"]) == 0
+    recs = read_metrics(m / "metrics.jsonl")
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and set(evals[0]["gap"]) == {"arith/low"}
+    assert (m / "gap.png").read_bytes()[:8] == PNG
+    assert main(["distill", "plot", str(m), "--out", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").read_bytes()[:8] == PNG
+    capsys.readouterr()
+
+    assert main(["distill", "eval", "--teachers", str(t), "--model", f"mopd={m}", "--cells", "arith/low", "--n", "2",
+                 "--max-answer-tokens", "3", "--json", "--out", str(tmp_path / "eval.json"), "-q"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [list(r) for r in rep["cells"]] == [["cell", "teacher", "base", "mopd"]]
+    assert set(rep["reasoning_tokens"]["mopd"]) == {"low"} and rep["details"]["mopd"]["arith/low"]["n"] == 2
+    assert json.loads((tmp_path / "eval.json").read_text())["mean"] == rep["mean"]
+
+    assert main(["distill", "generate", "--model", str(m), "--teachers", str(t), "--prompt",
+                 "<|effort:low|> sum 1+2+3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["effort"] == "low" and out["reasoning_tokens"] <= 2 and out["closed"]
+
+    # bad input: no effort token, an unknown one, a model trained with another tokenizer
+    assert main(["distill", "generate", "--model", str(m), "--teachers", str(t), "--prompt", "sum 1+2"]) == 2
+    assert "has no effort token" in capsys.readouterr().err
+    assert main(["distill", "generate", "--model", str(m), "--teachers", str(t), "--prompt",
+                 "<|effort:extreme|> sum 1+2"]) == 2
+    assert "unknown effort 'extreme'" in capsys.readouterr().err
+    from k3.train.checkpoint import save_checkpoint
+    from k3.train.trainer import load_trained_model
+
+    model, _ = load_trained_model(m / "checkpoint")
+    save_checkpoint(tmp_path / "other" / "checkpoint", 1, model, config=model.config,
+                    extra={"tokenizer_sha256": "f" * 64})
+    assert main(["distill", "eval", "--teachers", str(t), "--model", f"other={tmp_path / 'other'}", "--cells",
+                 "arith/low", "--n", "1", "-q"]) == 2
+    assert "must share one tokenizer" in capsys.readouterr().err
+    assert main(["distill", "mopd", "--teachers", str(t), "--student", str(tmp_path / "other"), "--out",
+                 str(tmp_path / "x"), "--cells", "arith/low", "--steps", "1", "-q"]) == 2
+    assert "student" in capsys.readouterr().err
+    # resuming a finished run with more steps continues it
+    assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "3",
+                 "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q",
+                 "--resume"]) == 0
+    assert [r["step"] for r in read_metrics(m / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
