@@ -21,6 +21,8 @@ PARTS = [
     "k3.parallel.cli",
     "k3.agentenv.cli",
     "k3.distill.cli",
+    "k3.ablate.cli",
+    "k3.rl.cli",
 ]
 
 

@@ -26,7 +26,10 @@ def register(subparsers) -> None:
 
     r = sub.add_parser("run", help="run episodes of a policy and write trajectories as JSONL")
     r.add_argument("--tasks", default="all", help="'all', a family, task ids or globs, comma-separated")
-    r.add_argument("--policy", default="reference", choices=["reference", "noop", "http"])
+    r.add_argument("--policy", default="reference", choices=["reference", "noop", "http", "k3"])
+    r.add_argument("--ckpt", default=None, help="checkpoint directory or root (k3 policy)")
+    r.add_argument("--tokenizer", default=None, help="tokenizer.json (k3 policy; default: the one the checkpoint names)")
+    r.add_argument("--max-tokens", type=int, default=256, help="longest reply per turn (k3 policy)")
     r.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (http policy)")
     r.add_argument("--model", default=None, help="model name (http policy)")
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
@@ -104,6 +107,11 @@ def _run(args) -> int:
                     api_key=os.environ.get(args.api_key_env))
         if not args.base_url or not args.model:
             raise ValueError("--policy http needs --base-url and --model")
+    if args.policy == "k3":
+        if not args.ckpt:
+            raise ValueError("--policy k3 needs --ckpt (a checkpoint directory or root)")
+        spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=args.temperature,
+                    max_tokens=args.max_tokens, seed=args.seed)
     dialects = tuple(d.strip() for d in args.dialects.split(",")) if args.dialects else DIALECTS
     for d in dialects:
         if d not in DIALECTS:

@@ -3,13 +3,17 @@
 The transcript is a list of chat messages `{"role": "system"|"user"|"assistant", "content": str}`;
 the policy answers with the text of its next message, in the episode's dialect. Scripted policies
 (reference solutions, red-team attacks, tests) render abstract actions through that dialect;
-`OpenAIChatPolicy` asks an OpenAI-compatible server; `CallablePolicy` wraps any function, e.g. the
-local k3 generation engine once it exists.
+`OpenAIChatPolicy` asks an OpenAI-compatible server (e.g. `k3 serve`); `K3EnginePolicy` runs a local k3
+checkpoint through the generation engine and keeps the exact token ids of the episode (for RL);
+`CallablePolicy` wraps any function.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
@@ -162,8 +166,128 @@ class OpenAIChatPolicy(Policy):
         return text
 
 
+class ContextExceeded(PolicyError):
+    """The conversation no longer fits the model's context with room for a full reply."""
+
+
+class K3EnginePolicy(Policy):
+    """A k3 model answering through the generation engine (`k3.serve.engine`), with the chat template of
+    `k3.serve.chat`: the episode's system prompt (the dialect's tool specs) and messages are rendered to
+    token ids, and the reply is sampled until `<|end|>`, `<|eos|>` or a role token.
+
+    The policy keeps the episode's token ids exactly as the model saw and sampled them (`ids`, with
+    `policy_mask` True at sampled tokens): the first turn renders the whole transcript, later turns
+    append only the new messages after the model's own sampled tokens, never a re-encoding of its text.
+    A reply that stopped without `<|end|>` (a role token, `<|eos|>`, the length limit) gets a closing
+    `<|end|>` that is not marked as sampled.
+
+    `generate(prompt_ids, SamplingParams) -> (output_ids, text, finish_reason)` is how tokens are made;
+    by default a private `Engine` over `model`. RL passes a shared, batching one. Turn seeds are a pure
+    function of (seed, episode seed, turn), so a temperature > 0 episode is reproducible.
+    """
+
+    def __init__(self, model=None, tokenizer=None, *, generate=None, max_context: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, seed: int = 0,
+                 name: str = "k3"):
+        if tokenizer is None:
+            raise ValueError("K3EnginePolicy needs the tokenizer the model was trained with")
+        if generate is None and model is None:
+            raise ValueError("K3EnginePolicy needs a model (or a generate function)")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens = {max_tokens!r} must be a positive integer")
+        from k3.serve.chat import stop_token_ids
+        from k3.serve.sampling import SamplingParams
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        if max_context is None and model is None:
+            raise ValueError("K3EnginePolicy with a generate function needs max_context")
+        self.max_context = max_context or model.config.max_context
+        self.temperature, self.top_p, self.max_tokens, self.seed = temperature, top_p, max_tokens, seed
+        self._params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                      stop_token_ids=stop_token_ids(tokenizer)).validate(tokenizer.vocab_size)
+        self._generate = generate or self._engine_generate
+        self._end = tokenizer.special_id("end")
+        self.begin_episode(None)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: str | os.PathLike, tokenizer: str | os.PathLike | None = None, **kw):
+        model, tok = _load_k3(str(ckpt), None if tokenizer is None else str(tokenizer))
+        return cls(model, tok, **kw)
+
+    def begin_episode(self, info: EpisodeInfo | None) -> None:
+        self._episode_seed = 0 if info is None else info.seed
+        self.ids: list[int] = []
+        self.policy_mask: list[bool] = []
+        self.turns: list[dict] = []   # per reply: prompt length, sampled ids, finish reason
+        self.failure: str | None = None  # set when the policy itself raised (context, engine error)
+        self.context_exceeded = False
+        self._known = 0  # transcript messages that `ids` covers, the model's last reply included
+        self._last_text = None
+
+    def _engine_generate(self, prompt_ids, params):
+        from k3.serve.engine import Engine
+        r = Engine(self.model, self.tokenizer, max_batch=1, max_queue=0).generate([prompt_ids], params)[0]
+        return r.output_ids, r.text, r.finish_reason
+
+    def _prompt(self, transcript: list[dict]) -> list[int]:
+        from k3.serve.chat import render
+        k = self._known
+        if (k and len(transcript) > k and transcript[k - 1].get("role") == "assistant"
+                and transcript[k - 1].get("content") == self._last_text):
+            new = render(transcript[k:], self.tokenizer)  # tool results etc. + the generation prompt
+            self.ids += new
+            self.policy_mask += [False] * len(new)
+        else:  # a first turn, or a transcript this policy did not follow: render it whole
+            self.ids = render(transcript, self.tokenizer)
+            self.policy_mask = [False] * len(self.ids)
+        return list(self.ids)
+
+    def _turn_seed(self) -> int:
+        h = hashlib.sha256(f"k3-policy-{self.seed}-{self._episode_seed}-{len(self.turns)}".encode()).digest()
+        return int.from_bytes(h[:8], "little") >> 1
+
+    def act(self, transcript):
+        import dataclasses
+        try:
+            prompt = self._prompt(transcript)
+        except ValueError as e:  # a message the chat template cannot render
+            self.failure = f"{type(e).__name__}: {e}"
+            raise PolicyError(f"cannot render the transcript: {e}") from None
+        if len(prompt) + self.max_tokens > self.max_context:
+            self.context_exceeded = True
+            self.failure = "context"
+            raise ContextExceeded(f"the conversation has {len(prompt)} tokens; with max_tokens = {self.max_tokens} "
+                                  f"it exceeds the model's context of {self.max_context} tokens")
+        params = dataclasses.replace(self._params, seed=self._turn_seed())
+        try:
+            out, text, finish = self._generate(prompt, params)
+        except Exception as e:
+            self.failure = f"{type(e).__name__}: {e}"
+            raise PolicyError(f"generation failed: {type(e).__name__}: {e}") from e
+        if finish == "error":
+            self.failure = "engine error"
+            raise PolicyError(f"generation failed: {text}")
+        out = [int(t) for t in out]
+        self.turns.append({"prompt_tokens": len(prompt), "output_ids": out, "finish_reason": finish})
+        self.ids += out
+        self.policy_mask += [True] * len(out)
+        if not out or out[-1] != self._end:
+            self.ids.append(self._end)
+            self.policy_mask.append(False)
+        self._known = len(transcript) + 1
+        self._last_text = text
+        return text
+
+
+@functools.lru_cache(maxsize=2)
+def _load_k3(ckpt: str, tokenizer: str | None):
+    """(model, tokenizer) of a checkpoint, once per worker process."""
+    from k3.serve.server import load_for_serving
+    model, tok, _ = load_for_serving(ckpt, tokenizer, device="cpu")
+    return model, tok
+
+
 def make_policy(spec: dict, task=None) -> Policy:
-    """Policies by description (picklable, for worker processes): reference | noop | http."""
+    """Policies by description (picklable, for worker processes): reference | noop | http | k3."""
     kind = spec.get("kind")
     if kind == "reference":
         if task is None or not task.solution:
@@ -178,4 +302,12 @@ def make_policy(spec: dict, task=None) -> Policy:
         return OpenAIChatPolicy(spec["base_url"], spec["model"], api_key=spec.get("api_key"),
                                 temperature=float(spec.get("temperature", 0.0)),
                                 max_tokens=int(spec.get("max_tokens", 2048)))
-    raise ValueError(f"unknown policy {kind!r}; use reference, noop or http")
+    if kind == "k3":
+        if not spec.get("ckpt"):
+            raise ValueError("the k3 policy needs --ckpt (a checkpoint directory or root)")
+        return K3EnginePolicy.from_checkpoint(spec["ckpt"], spec.get("tokenizer"),
+                                              temperature=float(spec.get("temperature", 0.0)),
+                                              top_p=float(spec.get("top_p", 1.0)),
+                                              max_tokens=int(spec.get("max_tokens", 256)),
+                                              seed=int(spec.get("seed", 0)))
+    raise ValueError(f"unknown policy {kind!r}; use reference, noop, http or k3")

@@ -18,6 +18,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .actions import execute
 from .dialects import DIALECTS, ParseError, choose_variant, make_dialect
@@ -37,13 +38,14 @@ class EpisodeConfig:
     max_message_chars: int = 200_000       # a longer policy message is an error, not an action
     prestart_verifier: bool = True         # start the (fresh, isolated) verification sandbox early
     sandbox: SandboxConfig = field(default_factory=default_config)
+    variant_fn: Callable | None = None     # seed -> Variant, instead of choose_variant(seed, dialects, augment)
 
 
 def run_episode(task: Task, policy: Policy, seed: int = 0,
                 config: EpisodeConfig | None = None) -> dict:
     """One episode; returns the trajectory record (JSON-ready)."""
     cfg = config or EpisodeConfig()
-    variant = choose_variant(seed, cfg.dialects, cfg.augment)
+    variant = cfg.variant_fn(seed) if cfg.variant_fn else choose_variant(seed, cfg.dialects, cfg.augment)
     dialect = make_dialect(variant)
     transcript = [{"role": "system", "content": dialect.system_prompt()},
                   {"role": "user", "content": f"Task: {task.title}\n\n{task.instruction}"}]

@@ -1,0 +1,318 @@
+"""`k3 rl`: agentic RL (GRPO on verified AgentENV rewards) — warm start, train, eval, plot, --demo.
+
+An experiment lives in one root directory:
+
+    ROOT/tokenizer.json   ROOT/tasks/{train,heldout}/   ROOT/demos.jsonl
+    ROOT/warmstart/       supervised warm start (checkpoint/, metrics.jsonl)
+    ROOT/<run>/           a GRPO run (checkpoint/, metrics.jsonl), e.g. swap and fixed
+    ROOT/eval.json        held-out success of each model under the training and the unseen harness
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_ROOT = "runs/rl/exp"
+
+
+class _Bar:
+    """tqdm over optimizer steps, fed by the loop's records."""
+
+    def __init__(self, total: int, desc: str, keys: tuple, enabled: bool = True):
+        self.total, self.desc, self.keys, self.enabled, self.bar = total, desc, keys, enabled, None
+
+    def __call__(self, rec: dict) -> None:
+        if not self.enabled or rec.get("kind") != "train":
+            return
+        from tqdm.auto import tqdm
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=rec["step"] - 1, unit="step", desc=self.desc,
+                            dynamic_ncols=True, file=sys.stderr)
+        self.bar.update(rec["step"] - self.bar.n)
+        self.bar.set_postfix({k: f"{rec[k]:.3f}" for k in self.keys if isinstance(rec.get(k), (int, float))},
+                             refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _loop_config(args, **defaults):
+    from k3.distill.loop import LoopConfig
+    return LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac,
+                      ckpt_every=args.ckpt_every, keep_last=args.keep_last, seed=args.seed, grad_clip=args.grad_clip,
+                      **defaults).validate()
+
+
+def _tokenizer(root: Path):
+    from k3.data.tokenizer import load_tokenizer
+    path = root / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; run `k3 rl warmstart --root {root}` first")
+    return load_tokenizer(path)
+
+
+def _load(root: Path, name: str, tokenizer):
+    """The latest checkpoint of ROOT/<name> (a stage or a run), checked against the experiment's tokenizer."""
+    from k3.train.trainer import load_trained_model
+    ckpt = root / name / "checkpoint"
+    if not ckpt.is_dir():
+        raise ValueError(f"{ckpt} does not exist; train {name!r} first (k3 rl warmstart / k3 rl train --name {name})")
+    model, manifest = load_trained_model(ckpt)
+    if manifest.get("extra", {}).get("tokenizer_sha256") not in (None, tokenizer.fingerprint):
+        raise ValueError(f"{ckpt} was trained with another tokenizer than {root / 'tokenizer.json'}")
+    return model, manifest
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def cmd_warmstart(args) -> dict:
+    from k3.rl.train import demo_pool, make_tokenizer, new_model, run_warmstart
+    from k3.train.cli import set_threads
+    set_threads(args.threads)
+    root = Path(args.root)
+    t0 = time.perf_counter()
+    demos = demo_pool(root, args.tasks_per_kind, args.demos_per_task, args.seed, workers=args.workers,
+                      harness=args.demo_harness)
+    if not demos:
+        raise ValueError("no demonstration verified; check `k3 agentenv check`")
+    tok_path = root / "tokenizer.json"
+    if tok_path.is_file():
+        tok = _tokenizer(root)
+    else:
+        tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
+    print(f"{len(demos)} demonstrations, tokenizer {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)",
+          file=sys.stderr)
+    overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
+    model = new_model(args.preset, tok, args.max_context, args.seed, **overrides)
+    bar = _Bar(args.steps, "warm start", ("loss",), not args.quiet)
+    try:
+        records = run_warmstart(model, tok, demos, _loop_config(args), root / "warmstart", batch_size=args.batch,
+                                context_loss_weight=args.context_loss_weight, resume=args.resume,
+                                overwrite=args.overwrite, on_record=bar)
+    finally:
+        bar.close()
+    train = [r for r in records if r.get("kind") == "train"]
+    return {"stage": "warmstart", "steps": train[-1]["step"] if train else None,
+            "loss": train[-1]["loss"] if train else None, "demos": len(demos)}
+
+
+def _grpo_config(args):
+    from k3.rl.train import GRPOConfig
+    return GRPOConfig(groups_per_step=args.groups, group_size=args.group_size, temperature=args.temperature,
+                      max_tokens=args.max_tokens, updates_per_batch=args.updates_per_batch, eps_low=args.eps_low,
+                      eps_high=args.eps_high, beta=args.beta, agg=args.agg, scale_rewards=not args.no_std,
+                      harness=args.harness, fixed_dialect=args.fixed_dialect, max_turns=args.max_turns).validate()
+
+
+def cmd_train(args) -> dict:
+    from k3.rl.family import build_tasks
+    from k3.rl.train import run_grpo
+    from k3.train.cli import set_threads
+    set_threads(args.threads)
+    root = Path(args.root)
+    gcfg = _grpo_config(args)
+    lcfg = _loop_config(args)
+    tok = _tokenizer(root)
+    model, manifest = _load(root, args.init, tok)
+    ref = None
+    if gcfg.beta > 0:
+        ref, _ = _load(root, args.init, tok)
+        ref.eval().requires_grad_(False)
+    tasks = build_tasks(root / "tasks", "train", args.tasks_per_kind)
+    bar = _Bar(args.steps, f"grpo {args.name}", ("reward_mean", "loss"), not args.quiet)
+    try:
+        records = run_grpo(model, tok, tasks, gcfg, lcfg, root / args.name,
+                           init=f"{args.init}@{manifest['step']}", ref_model=ref, resume=args.resume,
+                           overwrite=args.overwrite, on_record=bar)
+    finally:
+        bar.close()
+    train = [r for r in records if r.get("kind") == "train" and r.get("reward_mean") is not None]
+    return {"run": args.name, "steps": train[-1]["step"] if train else None,
+            "reward_first": train[0]["reward_mean"] if train else None,
+            "reward_last": train[-1]["reward_mean"] if train else None}
+
+
+def cmd_eval(args) -> dict:
+    from k3.rl.family import build_tasks
+    from k3.rl.train import evaluate, wilson, write_json
+    from k3.train.cli import set_threads
+    set_threads(args.threads)
+    root = Path(args.root)
+    tok = _tokenizer(root)
+    held = build_tasks(root / "tasks", "heldout", args.n_per_kind)
+    harnesses = [h.strip() for h in args.harness.split(",") if h.strip()]
+    report = {"tasks": len(held), "variants": args.variants, "harnesses": harnesses, "models": {}}
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    for name in names:
+        model, manifest = _load(root, name, tok)
+        entry = {"step": manifest["step"]}
+        for h in harnesses:
+            t0 = time.perf_counter()
+            table, trajs = evaluate(model, tok, held, h, args.variants, seed=args.seed, max_tokens=args.max_tokens,
+                                    fixed_dialect=args.fixed_dialect, max_turns=args.max_turns)
+            a = table["all"]
+            k = round(a["success"] * a["usable"]) if a["success"] is not None else 0
+            entry[h] = {"success": a["success"], "usable": a["usable"], "episodes": a["episodes"],
+                        "ci95": wilson(k, a["usable"]), "excluded": a["excluded"],
+                        "by": {key: v["success"] for key, v in table.items() if key != "all"},
+                        "seconds": round(time.perf_counter() - t0, 1)}
+            print(f"{name:12s} {h:7s} success {a['success'] if a['success'] is not None else float('nan'):.3f} "
+                  f"({k}/{a['usable']}, 95% CI {entry[h]['ci95'][0]:.2f}-{entry[h]['ci95'][1]:.2f})", file=sys.stderr)
+        report["models"][name] = entry
+    write_json(args.out or root / "eval.json", report)
+    return report
+
+
+def cmd_plot(args) -> dict:
+    from k3.rl.plots import plot_rewards
+    root = Path(args.root)
+    runs = {n.strip(): root / n.strip() / "metrics.jsonl" for n in args.runs.split(",") if n.strip()}
+    path = plot_rewards(runs, Path(args.out) if args.out else root / "reward.png",
+                        eval_path=root / "eval.json" if (root / "eval.json").is_file() else None)
+    return {"plot": str(path)}
+
+
+DEMO = {  # bounded so the whole pipeline runs in well under 15 minutes on 2 CPU cores
+    "tasks_per_kind": 16, "demos_per_task": 2, "tokenizer_prompts": 100, "warm_steps": 300, "warm_batch": 4,
+    "grpo_steps": 8, "groups": 2, "group_size": 4, "eval_per_kind": 2,
+}
+
+
+def cmd_demo(args) -> dict:
+    """Warm start, GRPO with harness swapping, held-out evaluation (training and unseen harness), plot."""
+    import argparse
+    root = Path(args.root or "runs/rl/demo")
+    t0 = time.perf_counter()
+    common = dict(root=str(root), threads=args.threads, seed=args.seed, quiet=args.quiet, workers=2,
+                  resume=False, overwrite=True, keep_last=2, grad_clip=1.0, max_context=4096,
+                  fixed_dialect="react", max_tokens=96, max_turns=None)
+    warm = argparse.Namespace(**common, preset="tiny", n_layers=None, layer_pattern="MKKK",
+                              tokenizer_prompts=DEMO["tokenizer_prompts"],
+                              demo_harness="canonical",
+                              tasks_per_kind=DEMO["tasks_per_kind"],
+                              demos_per_task=DEMO["demos_per_task"], vocab_size=1024, steps=DEMO["warm_steps"],
+                              batch=DEMO["warm_batch"], lr=3e-3, warmup=20, decay_frac=0.1, ckpt_every=0,
+                              context_loss_weight=0.0)
+    out = {"warmstart": cmd_warmstart(warm)}
+    train = argparse.Namespace(**common, init="warmstart", name="swap", harness="swap",
+                               tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"], groups=DEMO["groups"],
+                               group_size=DEMO["group_size"], temperature=1.0, updates_per_batch=1, eps_low=0.2,
+                               eps_high=0.28, beta=0.0, agg="token", no_std=False, lr=1e-3, warmup=0, decay_frac=0.0,
+                               ckpt_every=DEMO["grpo_steps"] // 2)
+    out["grpo"] = cmd_train(train)
+    ev = argparse.Namespace(**common, models="warmstart,swap", harness="canonical,unseen",
+                            n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)
+    report = cmd_eval(ev)
+    out["eval"] = {m: {h: report["models"][m][h]["success"] for h in report["harnesses"]} for m in report["models"]}
+    out["plot"] = cmd_plot(argparse.Namespace(root=str(root), runs="swap", out=None))["plot"]
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _common(p, steps: int, lr: float, ckpt_every: int) -> None:
+    p.add_argument("--root", default=DEFAULT_ROOT, help=f"experiment directory (default {DEFAULT_ROOT})")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=10, help="warmup steps")
+    p.add_argument("--decay-frac", type=float, default=0.0, help="fraction of steps in the final LR decay")
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="0: only at the end")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--workers", type=int, default=4, help="parallel sandboxes when collecting demonstrations")
+    p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start over, deleting the run's checkpoints")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("rl", help="agentic RL: GRPO on verified AgentENV rewards",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--demo", action="store_true",
+                   help="bounded end-to-end run: warm start, GRPO with swapped harnesses, held-out eval, plot")
+    p.add_argument("--root", default=None, help="experiment directory for --demo (default runs/rl/demo)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--json", action="store_true")
+    sub = p.add_subparsers(dest="rl_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda a: _run(cmd_demo, a) if a.demo else (p.print_help(), 2)[1])
+
+    w = sub.add_parser("warmstart", help="tokenizer, tasks, demonstrations in several dialects, supervised warm start")
+    _common(w, steps=300, lr=3e-3, ckpt_every=50)
+    w.add_argument("--preset", default="tiny", help="model preset (vocab size comes from the tokenizer)")
+    w.add_argument("--n-layers", type=int, default=None, help="layers (default: the preset's)")
+    w.add_argument("--layer-pattern", default=None,
+                   help="K/M per layer, e.g. MKKK (default: the preset's; see docs/rl.md on what tiny can learn)")
+    w.add_argument("--max-context", type=int, default=4096)
+    w.add_argument("--tokenizer-prompts", type=int, default=400,
+                   help="system prompts of drawn training harnesses in the tokenizer's training text")
+    w.add_argument("--vocab-size", type=int, default=1024)
+    w.add_argument("--tasks-per-kind", type=int, default=16, help="training tasks per kind (calc, count, update)")
+    w.add_argument("--demos-per-task", type=int, default=8, help="demonstrations per task, each in a drawn harness")
+    w.add_argument("--batch", type=int, default=4, help="episodes per step")
+    w.add_argument("--demo-harness", choices=("canonical", "swap"), default="canonical",
+                   help="canonical: demonstrations in the four dialects with their own tool names; swap: renamed too")
+    w.add_argument("--context-loss-weight", type=float, default=0.0,
+                   help="weight of the cross-entropy on context tokens (prompt, tool outputs) beside the replies'")
+    w.set_defaults(func=lambda a: _run(cmd_warmstart, a))
+
+    t = sub.add_parser("train", help="GRPO from a checkpoint of the experiment")
+    _common(t, steps=100, lr=1e-3, ckpt_every=10)
+    t.set_defaults(warmup=0)
+    t.add_argument("--init", default="warmstart", help="stage or run under ROOT to start from (default warmstart)")
+    t.add_argument("--name", default="swap", help="run directory under ROOT")
+    t.add_argument("--harness", choices=("swap", "canonical", "fixed"), default="swap",
+                   help="swap: dialect and tool names drawn per episode; canonical: dialect drawn, canonical names; "
+                        "fixed: one dialect, canonical names")
+    t.add_argument("--fixed-dialect", default="react", help="the dialect of --harness fixed")
+    t.add_argument("--tasks-per-kind", type=int, default=16)
+    t.add_argument("--groups", type=int, default=4, help="tasks per step")
+    t.add_argument("--group-size", type=int, default=4, help="rollouts per task (G)")
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--max-tokens", type=int, default=96, help="longest reply per turn")
+    t.add_argument("--max-turns", type=int, default=None, help="turns per episode (default: the task's limit)")
+    t.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
+    t.add_argument("--eps-low", type=float, default=0.2)
+    t.add_argument("--eps-high", type=float, default=0.28)
+    t.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the initial model (0: none)")
+    t.add_argument("--agg", choices=("token", "sequence"), default="token")
+    t.add_argument("--no-std", action="store_true", help="advantages without dividing by the group's std")
+    t.set_defaults(func=lambda a: _run(cmd_train, a))
+
+    e = sub.add_parser("eval", help="greedy success on held-out tasks under the training and the unseen harness")
+    e.add_argument("--root", default=DEFAULT_ROOT)
+    e.add_argument("--models", default="warmstart", help="comma-separated stages/runs under ROOT")
+    e.add_argument("--harness", default="swap,canonical,unseen", help="comma-separated: swap, canonical, fixed, unseen")
+    e.add_argument("--fixed-dialect", default="react")
+    e.add_argument("--n-per-kind", type=int, default=8, help="held-out tasks per kind")
+    e.add_argument("--variants", type=int, default=2, help="harness variants per task")
+    e.add_argument("--max-tokens", type=int, default=96)
+    e.add_argument("--max-turns", type=int, default=None, help="turns per episode (default: the task's limit)")
+    e.add_argument("--seed", type=int, default=1)
+    e.add_argument("--threads", type=int, default=0)
+    e.add_argument("--out", default=None, help="report path (default ROOT/eval.json)")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("-q", "--quiet", action="store_true")
+    e.set_defaults(func=lambda a: _run(cmd_eval, a))
+
+    pl = sub.add_parser("plot", help="mean verified reward over GRPO steps (and held-out success, if evaluated)")
+    pl.add_argument("--root", default=DEFAULT_ROOT)
+    pl.add_argument("--runs", default="swap,fixed")
+    pl.add_argument("--out", default=None, help="PNG path (default ROOT/reward.png)")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=lambda a: _run(cmd_plot, a))
+
+
+def _run(fn, args) -> int:
+    out = fn(args)
+    if getattr(args, "json", False):
+        print(json.dumps(out, indent=1))
+    else:
+        print(json.dumps(out))
+    return 0

@@ -1,0 +1,156 @@
+"""A task family a small model can learn: pick the tool and the command that does the job, in any harness.
+
+Three kinds, each built as ordinary AgentENV tasks (`k3.agentenv.tasks.write_task`, checksummed, verified
+by physical checks), each solved by one `run` call and `finish`. The facts a task is about live in
+workspace files, never in the instruction, so the policy must let the tool read and compute them:
+
+- `calc` (family `files`): expr.txt holds `37 * 91`; its value must end up in answer.txt
+  (`echo $(( $(cat expr.txt) )) > answer.txt`); checked by the sha256 of answer.txt.
+- `count` (family `files`): word.txt holds a word; answer.txt must hold the number of lines of data.txt
+  that contain it (`grep -c -f word.txt data.txt > answer.txt`); checked by sha256, data.txt unchanged.
+- `update` (family `sqlite`): change.txt holds `bolt 17`; that item's qty in table items of app.db must
+  become 17 (one `sqlite3` UPDATE through `run`); checked by querying every row in a fresh sandbox.
+
+So what a policy has to learn is tool intent: which tool runs commands in this harness, how this harness
+spells a call, and which command the instruction asks for. Copying the task's facts into the call is
+not needed: a small model trained from scratch here does not learn to copy within minutes of CPU time
+(docs/rl.md, "what the model can learn").
+
+Tasks are pure functions of `(kind, split, index)`. The `train` and `heldout` splits draw operands,
+words and item names from disjoint pools. Every task carries its reference solution
+(`hidden/solution.json`), from which `demos.py` makes the supervised warm start.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+from k3.agentenv.tasks import load_task, sha256_bytes, write_task
+
+KINDS = ("calc", "count", "update")
+SPLITS = ("train", "heldout")
+MAX_STEPS = 4  # two calls solve every task; two more leave room to recover from a bad call
+
+# disjoint vocabularies per split: a held-out task never reuses a training word or item
+WORDS = {
+    "train": ["lemon", "apple", "cherry", "grape", "melon", "peach", "plum", "mango", "olive", "pear",
+              "lime", "fig", "kiwi", "date", "guava", "papaya"],
+    "heldout": ["quince", "banana", "apricot", "walnut", "almond", "cashew", "hazel", "pecan"],
+}
+FILLER = ["red", "blue", "green", "stone", "river", "cloud", "paper", "glass", "wood", "iron",
+          "salt", "sand", "wind", "rain", "snow", "leaf"]
+ITEMS = {
+    "train": ["bolt", "nut", "screw", "washer", "nail", "rivet", "hinge", "spring", "gear", "chain",
+              "valve", "clamp", "pin", "hook", "latch", "pulley"],
+    "heldout": ["bearing", "bracket", "gasket", "piston", "socket", "flange", "sprocket", "axle"],
+}
+
+
+def _rng(kind: str, split: str, index: int) -> random.Random:
+    return random.Random(f"k3-rl-family-{kind}-{split}-{index}")
+
+
+def task_id(kind: str, split: str, index: int) -> str:
+    return f"rl-{kind}-{'t' if split == 'train' else 'h'}{index:04d}"
+
+
+def _check_args(kind: str, split: str, index: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown task kind {kind!r}; choose from {', '.join(KINDS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"task index {index!r} must be an integer >= 0")
+
+
+def _sha(text: str) -> dict:
+    return {"sha256": sha256_bytes(text.encode())}
+
+
+COMMANDS = {  # one fixed command per kind: the tool reads the facts from the workspace
+    "calc": "echo $(( $(cat expr.txt) )) > answer.txt",
+    "count": "grep -c -f word.txt data.txt > answer.txt",
+    "update": "read name qty < change.txt && sqlite3 app.db \"UPDATE items SET qty = $qty WHERE name = '$name'\"",
+}
+INSTRUCTIONS = {  # each ends with the file the command must read, right before the policy's turn
+    "calc": "Compute the value of an arithmetic expression with the shell and write the number to answer.txt. "
+            "The expression is in expr.txt.",
+    "count": "Count with the shell how many lines of data.txt contain a word, and write the count to answer.txt. "
+             "The word is in word.txt.",
+    "update": "Apply a change to the table items of the SQLite database app.db with the sqlite3 command. "
+              "The change (an item name and its new qty) is in change.txt.",
+}
+
+
+def task_spec(kind: str, split: str, index: int) -> dict:
+    """Everything `write_task` needs for one task (a pure function of its arguments)."""
+    _check_args(kind, split, index)
+    rng = _rng(kind, split, index)
+    tid = task_id(kind, split, index)
+    solution = [{"tool": "run", "command": COMMANDS[kind]}, {"tool": "finish", "summary": "done"}]
+    common = dict(id=tid, instruction=INSTRUCTIONS[kind], solution=solution)
+    if kind == "calc":
+        lo, hi = (12, 69) if split == "train" else (71, 99)  # disjoint operands per split
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        answer = f"{a * b}\n"
+        return dict(common, family="files", title="Evaluate expr.txt",
+                    workspace={"expr.txt": f"{a} * {b}\n"},
+                    checks=[{"id": "answer", "kind": "file", "label": "F2P", "path": "answer.txt",
+                             "expect": _sha(answer)}])
+    if kind == "count":
+        word = rng.choice(WORDS[split])
+        n_lines = rng.randint(8, 16)
+        hits = rng.randint(1, n_lines - 2)
+        rows = [True] * hits + [False] * (n_lines - hits)
+        rng.shuffle(rows)
+        lines = []
+        for has in rows:
+            words = [rng.choice(FILLER) for _ in range(rng.randint(2, 4))]
+            if has:
+                words.insert(rng.randint(0, len(words)), word)
+            lines.append(" ".join(words))
+        data = "\n".join(lines) + "\n"
+        return dict(common, family="files", title="Count the lines with a word",
+                    workspace={"data.txt": data, "word.txt": f"{word}\n"},
+                    checks=[{"id": "answer", "kind": "file", "label": "F2P", "path": "answer.txt",
+                             "expect": _sha(f"{hits}\n")},
+                            {"id": "data", "kind": "file", "label": "P2P", "path": "data.txt",
+                             "expect": _sha(data)}])
+    names = rng.sample(ITEMS[split], 4)
+    qty = {n: rng.randint(1, 60) for n in names}
+    target = rng.choice(names)
+    new = rng.choice([q for q in range(1, 100) if q != qty[target]])
+    script = ("CREATE TABLE items (name TEXT PRIMARY KEY, qty INTEGER NOT NULL);\n"
+              + "".join(f"INSERT INTO items VALUES ('{n}', {qty[n]});\n" for n in names))
+    rows = [[n, new if n == target else qty[n]] for n in sorted(names)]
+    return dict(common, family="sqlite", title="Apply change.txt to app.db",
+                workspace={"change.txt": f"{target} {new}\n"}, generate={"app.db": script},
+                checks=[{"id": "rows", "kind": "sql", "label": "F2P", "db": "app.db",
+                         "sql": "SELECT name, qty FROM items ORDER BY name", "expect": {"rows": rows}}])
+
+
+def build_tasks(out_dir: str | os.PathLike, split: str, n_per_kind: int, kinds=KINDS) -> list:
+    """Write `n_per_kind` tasks of each kind of `split` under out_dir/<split>/ (idempotent) and load them,
+    interleaved by kind (calc 0, count 0, update 0, calc 1, ...)."""
+    if isinstance(n_per_kind, bool) or not isinstance(n_per_kind, int) or n_per_kind < 1:
+        raise ValueError(f"n_per_kind = {n_per_kind!r} must be a positive integer")
+    root = Path(out_dir) / split
+    tasks = []
+    for i in range(n_per_kind):
+        for kind in kinds:
+            spec = task_spec(kind, split, i)
+            d = root / spec["id"]
+            try:
+                task = load_task(d)  # written earlier by the same code: reuse it (checksums checked)
+            except ValueError:
+                task = None
+            if task is None or task.instruction != spec["instruction"] or task.solution != tuple(spec["solution"]) \
+                    or task.checks != tuple(spec["checks"]):
+                if d.exists():  # made by another version of this family: replace it whole
+                    shutil.rmtree(d)
+                write_task(root, limits={"max_steps": MAX_STEPS}, **spec)
+                task = load_task(d)
+            tasks.append(task)
+    return tasks

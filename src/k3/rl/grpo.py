@@ -1,0 +1,125 @@
+"""GRPO: group-relative advantages, a clipped policy ratio, an optional KL to a reference, token masks.
+
+For a group of G episodes of the same task under the same harness (the same prompt), with verified
+rewards r_1..r_G, the advantage of every sampled token of episode i is
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)        (std: population; `scale_rewards=False` drops it)
+
+(GRPO, Shao et al., DeepSeekMath, arXiv 2402.03300, outcome supervision; Dr. GRPO, Liu et al., arXiv
+2503.20783, argues for dropping the std). Per sampled token t of episode i, with ratio
+rho = exp(log pi(t) - log pi_old(t)):
+
+    l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t
+    KL_t = exp(log pi_ref(t) - log pi(t)) - (log pi_ref(t) - log pi(t)) - 1     (the k3 estimator,
+           unbiased and non-negative, as in DeepSeekMath's GRPO)
+
+Only tokens the policy sampled enter the loss (`mask`): the system prompt, the instruction and every
+tool output are context. `agg="token"` averages over all masked tokens of the batch (DAPO, Yu et al.,
+arXiv 2503.14476); `agg="sequence"` averages each episode's tokens, then the episodes (the GRPO paper).
+`grpo_loss_reference` is the same objective written as plain loops; a test holds the two equal.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+AGGREGATIONS = ("token", "sequence")
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence, scale: bool = True, eps: float = 1e-6) -> list[float]:
+    """One advantage per episode from the rewards of its group (same task, same harness)."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    members: dict = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    adv = [0.0] * len(rewards)
+    for idx in members.values():
+        r = [float(rewards[i]) for i in idx]
+        mean = sum(r) / len(r)
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / len(r))
+        for i, x in zip(idx, r):
+            adv[i] = (x - mean) / (std + eps) if scale else x - mean
+    return adv
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits [B, T, V] of ids [B, T] -> log-prob of each next token [B, T-1] (position t predicts t+1)."""
+    return F.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def _check(eps_low: float, eps_high: float, beta: float, agg: str) -> None:
+    if not (0 < eps_low < 1) or not eps_high > 0:
+        raise ValueError(f"clip range ({eps_low}, {eps_high}) must have 0 < eps_low < 1 and eps_high > 0")
+    if beta < 0:
+        raise ValueError(f"beta = {beta} (the KL coefficient) must be >= 0")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg = {agg!r} must be one of {AGGREGATIONS}")
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+              eps_low: float = 0.2, eps_high: float | None = None, ref_logp: torch.Tensor | None = None,
+              beta: float = 0.0, agg: str = "token") -> tuple[torch.Tensor, dict]:
+    """logp, old_logp, ref_logp, mask: [B, L] per target token (mask True where the policy sampled it);
+    adv: [B]. -> (scalar loss, stats: clip fraction, mean ratio, mean KL, tokens)."""
+    eps_high = eps_low if eps_high is None else eps_high
+    _check(eps_low, eps_high, beta, agg)
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    m = mask.to(logp.dtype)
+    n = m.sum()
+    if float(n) == 0:
+        raise ValueError("no sampled tokens to train on")
+    ratio = torch.exp(logp - old_logp)
+    a = adv.to(logp.dtype)[:, None]
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_tok = -torch.minimum(ratio * a, clipped * a)
+    kl = None
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+        if beta > 0:
+            per_tok = per_tok + beta * kl
+    if agg == "token":
+        loss = (per_tok * m).sum() / n
+    else:
+        per_seq = m.sum(1)
+        has = per_seq > 0
+        loss = ((per_tok * m).sum(1)[has] / per_seq[has]).mean()
+    with torch.no_grad():
+        stats = {"clip_frac": float((((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).to(m.dtype) * m).sum() / n),
+                 "ratio_mean": float((ratio * m).sum() / n), "tokens": int(n)}
+        if kl is not None:
+            stats["kl"] = float((kl * m).sum() / n)
+    return loss, stats
+
+
+def grpo_loss_reference(logp, old_logp, adv, mask, *, eps_low=0.2, eps_high=None, ref_logp=None, beta=0.0,
+                        agg="token") -> torch.Tensor:
+    """The same objective, one token at a time (slow, obviously written; for tests)."""
+    eps_high = eps_low if eps_high is None else eps_high
+    _check(eps_low, eps_high, beta, agg)
+    seq_losses, total, count = [], 0.0, 0
+    for i in range(logp.shape[0]):
+        s, c = 0.0, 0
+        for t in range(logp.shape[1]):
+            if not bool(mask[i, t]):
+                continue
+            rho = torch.exp(logp[i, t] - old_logp[i, t])
+            unclipped = rho * adv[i]
+            clipped = torch.clamp(rho, 1 - eps_low, 1 + eps_high) * adv[i]
+            term = -torch.min(unclipped, clipped)
+            if beta > 0:
+                d = ref_logp[i, t] - logp[i, t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            s, c = s + term, c + 1
+        total, count = total + s, count + c
+        if c:
+            seq_losses.append(s / c)
+    if agg == "token":
+        return total / count
+    return sum(seq_losses) / len(seq_losses)

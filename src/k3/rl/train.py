@@ -1,0 +1,321 @@
+"""The RL pipeline: tokenizer and tasks, supervised warm start, GRPO, evaluation.
+
+Both training stages run on `k3.distill.loop.StepLoop` (schedule, clipping, checkpoints, metrics JSONL,
+exact resume). Everything random in a step is a function of `(seed, step)`: which tasks, which harness
+variant each group sees, each episode's sampling seed. Rollouts are a pure function of the weights and
+those seeds (`rollout.LockstepEngine`), so a resumed run repeats the steps an uninterrupted one takes.
+
+With `updates_per_batch = mu > 1`, one batch of rollouts serves mu optimizer steps: the first step's
+log-probs (detached) are the old policy's, and the clipped ratio limits how far the later steps move.
+A run can then only resume at a multiple of mu (checkpoints are saved there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from k3.agentenv.dialects import choose_variant, make_dialect
+from k3.agentenv.rollout import run_episode
+from k3.agentenv.sandbox import SandboxConfig
+from k3.distill.loop import LoopConfig, StepLoop
+from k3.distill.sft import PAD_ID, masked_ce
+from k3.fileio import atomic_write_json
+from k3.rl.demos import collect_demos, episode_tokens, pad_batch
+from k3.rl.family import KINDS, build_tasks
+from k3.rl.grpo import AGGREGATIONS, group_advantages, grpo_loss, token_logprobs
+from k3.rl.harness import episode_config
+from k3.rl.rollout import EXCLUDE_REASONS, Job, Trajectory, run_jobs, success_table
+
+log = logging.getLogger(__name__)
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:8], "little") >> 1
+
+
+# ---------------------------------------------------------------------------------------- setup
+def make_tokenizer(out: str | os.PathLike, demo_records: Sequence[dict], vocab_size: int = 1024, n_prompts: int = 400):
+    """Byte-level BPE on the training harnesses' system prompts and the demonstrations' messages.
+    The unseen harness's names are not in its training text (they still encode, byte by byte)."""
+    from k3.data.tokenizer import train_tokenizer
+    texts = [make_dialect(choose_variant(s)).system_prompt() for s in range(n_prompts)]
+    texts += [m["content"] for r in demo_records for m in r["transcript"][1:]]
+    return train_tokenizer(texts, vocab_size, path=Path(out) / "tokenizer.json", allow_short=True)
+
+
+def demo_pool(out: str | os.PathLike, n_tasks_per_kind: int, demos_per_task: int, seed: int = 0,
+              workers: int = 4, sandbox: SandboxConfig | None = None, harness: str = "canonical") -> list[dict]:
+    """Demonstrations (verified episodes) over the training tasks, each in a harness drawn from `harness`
+    (canonical: the four dialects, their own names; swap: also renamed); cached in OUT/demos.jsonl so
+    later stages and runs share them."""
+    path = Path(out) / "demos.jsonl"
+    meta = {"n_tasks_per_kind": n_tasks_per_kind, "demos_per_task": demos_per_task, "seed": seed,
+            "harness": harness}
+    if path.exists():
+        lines = path.read_text().splitlines()
+        if lines and json.loads(lines[0]) == meta:
+            return [json.loads(x) for x in lines[1:]]
+    tasks = build_tasks(Path(out) / "tasks", "train", n_tasks_per_kind)
+    jobs = [(t, _seed("demo", seed, t.id, k)) for t in tasks for k in range(demos_per_task)]
+    cfg = episode_config(harness, **({"sandbox": sandbox} if sandbox else {}))
+    records = collect_demos([t for t, _ in jobs], [s for _, s in jobs], cfg, workers=workers)
+    keep = [{k: r[k] for k in ("task_id", "family", "seed", "dialect", "variant", "reward", "transcript")}
+            for r in records]
+    from k3.fileio import atomic_write_text
+    atomic_write_text(path, "".join(json.dumps(x) + "\n" for x in [meta] + keep))
+    return keep
+
+
+def new_model(preset: str, tokenizer, max_context: int = 2048, seed: int = 0, **overrides):
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+    torch.manual_seed(seed)
+    return K3Model(get_config(preset, vocab_size=tokenizer.vocab_size, max_context=max_context, **overrides))
+
+
+# ---------------------------------------------------------------------------------------- warm start
+def sft_step_fn(model, examples: Sequence[tuple[list[int], list[bool]]], batch_size: int, seed: int,
+                context_loss_weight: float = 0.0) -> Callable:
+    """Cross-entropy on the tokens a policy writes (assistant turns), whole multi-turn episodes per row.
+
+    `context_loss_weight` w > 0 adds w times the mean cross-entropy of every other token (system prompt,
+    instruction, tool outputs), the "prompt loss weight" of fine-tuning APIs. A model trained from scratch
+    first learns the local format of the calls; the context is where it can learn to look things up (the
+    tool names a spec defines reappear in its example call, the task's numbers reappear in its restatement),
+    which the calls need."""
+    if not examples:
+        raise ValueError("the warm start has no demonstrations; collect some first")
+    if not (context_loss_weight >= 0 and math.isfinite(context_loss_weight)):
+        raise ValueError(f"context_loss_weight = {context_loss_weight} must be a number >= 0")
+
+    def step_fn(step: int) -> dict:
+        rng = random.Random(_seed("k3-rl-sft", seed, step))
+        pick = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        ids, mask = pad_batch([p[0] for p in pick], [p[1] for p in pick], PAD_ID)
+        model.train()
+        logits = model(ids)
+        loss, n = masked_ce(logits, ids, mask)
+        out = {"ce": float(loss.detach()), "tokens": n}
+        if context_loss_weight > 0:
+            lengths = torch.tensor([len(p[0]) for p in pick])
+            context = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]) & ~mask
+            ce_context, _ = masked_ce(logits, ids, context)
+            loss = loss + context_loss_weight * ce_context
+            out["ce_context"] = float(ce_context.detach())
+        aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
+        return {"loss": loss + aux, **out}
+    return step_fn
+
+
+def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, out_dir, *, batch_size: int = 8,
+                  context_loss_weight: float = 0.0, resume: bool = False, overwrite: bool = False,
+                  on_record=None) -> list[dict]:
+    examples = []
+    for r in demos:
+        ids, mask = episode_tokens(r["transcript"], tokenizer)
+        if len(ids) <= model.config.max_context:
+            examples.append((ids, mask))
+    if len(examples) < len(demos):
+        log.warning("%d demonstrations longer than the context were left out", len(demos) - len(examples))
+    loop = StepLoop(model, config, out_dir, {"kind": "rl-warmstart", "tokenizer_sha256": tokenizer.fingerprint},
+                    {"tokenizer": str(tokenizer.path), "batch_size": batch_size, "demos": len(examples),
+                     "context_loss_weight": context_loss_weight})
+    return loop.fit(sft_step_fn(model, examples, batch_size, config.seed, context_loss_weight), resume=resume,
+                    overwrite=overwrite, on_record=on_record)
+
+
+# ---------------------------------------------------------------------------------------- GRPO
+@dataclass
+class GRPOConfig:
+    groups_per_step: int = 4        # tasks per step
+    group_size: int = 4             # rollouts per task (G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 96            # per reply (the longest demonstrated call is under 80 tokens)
+    updates_per_batch: int = 1      # mu: optimizer steps per batch of rollouts
+    eps_low: float = 0.2
+    eps_high: float = 0.28          # DAPO's clip-higher
+    beta: float = 0.0               # KL to the reference (the initial model); 0 = no reference forward
+    agg: str = "token"
+    scale_rewards: bool = True
+    harness: str = "swap"           # swap | canonical | fixed
+    fixed_dialect: str = "react"
+    max_turns: int | None = None    # None: the task's own step limit
+
+    def validate(self) -> "GRPOConfig":
+        for name in ("groups_per_step", "group_size", "max_tokens", "updates_per_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} = {v!r} must be a positive integer")
+        if self.group_size < 2:
+            raise ValueError(f"group_size = {self.group_size}: group-relative advantages need at least 2 rollouts "
+                             "per task")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature = {self.temperature} must be > 0: GRPO learns from sampled rollouts")
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(f"agg = {self.agg!r} must be one of {AGGREGATIONS}")
+        if self.harness not in ("swap", "canonical", "fixed"):
+            raise ValueError(f"harness = {self.harness!r} must be swap, canonical or fixed (the unseen harness is "
+                             "for evaluation only)")
+        episode_config(self.harness, self.fixed_dialect)  # checks the dialect
+        if not (0 < self.eps_low < 1 and self.eps_high > 0 and self.beta >= 0):
+            raise ValueError(f"need 0 < eps_low < 1, eps_high > 0 and beta >= 0 (got {self.eps_low}, "
+                             f"{self.eps_high}, {self.beta})")
+        return self
+
+
+class GRPOTrainer:
+    """`step_fn(step)` for StepLoop: rollouts (every mu steps), group advantages, the GRPO loss."""
+
+    def __init__(self, model, tokenizer, tasks: Sequence, config: GRPOConfig, seed: int = 0, ref_model=None,
+                 episode_fn: Callable = run_episode, sandbox: SandboxConfig | None = None):
+        self.model, self.tokenizer, self.tasks = model, tokenizer, list(tasks)
+        self.cfg, self.seed, self.ref_model, self.episode_fn = config.validate(), seed, ref_model, episode_fn
+        if not self.tasks:
+            raise ValueError("GRPO needs training tasks")
+        if self.cfg.beta > 0 and ref_model is None:
+            raise ValueError("beta > 0 needs a reference model")
+        self.episode_config = episode_config(self.cfg.harness, self.cfg.fixed_dialect, max_steps=self.cfg.max_turns,
+                                             **({"sandbox": sandbox} if sandbox else {}))
+        self._batch: dict | None = None
+
+    def jobs(self, step: int) -> list[Job]:
+        """Which tasks, harness variants and sampling seeds the rollouts of `step` use."""
+        rng = random.Random(_seed("k3-rl-tasks", self.seed, step))
+        out = []
+        for g in range(self.cfg.groups_per_step):
+            task = self.tasks[rng.randrange(len(self.tasks))]
+            variant_seed = _seed("k3-rl-variant", self.seed, step, g)  # one harness per group: one prompt
+            for k in range(self.cfg.group_size):
+                out.append(Job(task, variant_seed, _seed("k3-rl-sample", self.seed, step, g, k), group=g))
+        return out
+
+    def rollouts(self, step: int) -> list[Trajectory]:
+        return run_jobs(self.model, self.tokenizer, self.jobs(step), self.episode_config,
+                        temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens,
+                        episode_fn=self.episode_fn)
+
+    def _prepare(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        trajs = self.rollouts(step)
+        rollout_s = time.perf_counter() - t0
+        usable = [t for t in trajs if t.excluded is None]
+        by_group: dict[int, list[Trajectory]] = {}
+        for t in usable:
+            by_group.setdefault(t.group, []).append(t)
+        kept = [t for g in sorted(by_group) if len(by_group[g]) >= 2 for t in by_group[g]]
+        dropped_groups = sum(len(v) < 2 for v in by_group.values()) + \
+            len({t.group for t in trajs}) - len(by_group)
+        adv = group_advantages([t.reward for t in kept], [t.group for t in kept], self.cfg.scale_rewards)
+        # with no KL term a zero-advantage episode contributes nothing; leave it out of the forward
+        rows = [(t, a) for t, a in zip(kept, adv) if a != 0.0 or self.cfg.beta > 0]
+        rows = [(t, a) for t, a in rows if t.n_sampled > 0]
+        batch = {"step": step, "trajs": trajs, "rows": rows, "old_logp": None, "ref_logp": None,
+                 "rollout_s": rollout_s, "dropped_groups": dropped_groups}
+        if rows:
+            batch["ids"], batch["mask"] = pad_batch([t.ids for t, _ in rows], [t.policy_mask for t, _ in rows], PAD_ID)
+            batch["adv"] = torch.tensor([a for _, a in rows])
+        return batch
+
+    def step_fn(self, step: int) -> dict:
+        mu = self.cfg.updates_per_batch
+        first = step - step % mu
+        if self._batch is None or self._batch["step"] != first:
+            if step != first:
+                raise ValueError(f"cannot resume GRPO at step {step}: with updates_per_batch = {mu} a run resumes "
+                                 f"only at a multiple of {mu} (its rollouts are gone); resume from such a checkpoint")
+            self._batch = self._prepare(step)
+        b = self._batch
+        model = self.model
+        model.train()
+        stats = {}
+        if b["rows"]:
+            ids, mask = b["ids"], b["mask"][:, 1:]
+            logp = token_logprobs(model(ids), ids)
+            if b["old_logp"] is None:
+                b["old_logp"] = logp.detach()  # the policy that sampled = the weights at the batch's first step
+            if self.cfg.beta > 0 and b["ref_logp"] is None:
+                with torch.no_grad():
+                    b["ref_logp"] = token_logprobs(self.ref_model(ids), ids)
+            loss, stats = grpo_loss(logp, b["old_logp"], b["adv"], mask, eps_low=self.cfg.eps_low,
+                                    eps_high=self.cfg.eps_high, ref_logp=b["ref_logp"], beta=self.cfg.beta,
+                                    agg=self.cfg.agg)
+            aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
+            loss = loss + aux
+        else:  # nothing to learn from in this batch (every group tied, or excluded): a zero gradient
+            loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return {"loss": loss, "tokens": stats.pop("tokens", 0), **stats, **self._rollout_metrics(b, step == first)}
+
+    def _rollout_metrics(self, b: dict, fresh: bool) -> dict:
+        trajs = b["trajs"]
+        usable = [t for t in trajs if t.excluded is None]
+        rec = {"episodes": len(trajs), "usable": len(usable), "trained_episodes": len(b["rows"]),
+               "reward_mean": (sum(t.reward for t in usable) / len(usable)) if usable else None,
+               "dropped_groups": b["dropped_groups"], "rollout_s": round(b["rollout_s"], 3), "fresh_rollouts": fresh,
+               **{f"excluded_{r}": sum(t.excluded == r for t in trajs) for r in EXCLUDE_REASONS},
+               "parse_errors_mean": sum(t.parse_errors for t in trajs) / len(trajs),
+               "turns_mean": sum(t.steps for t in trajs) / len(trajs)}
+        for kind in KINDS:
+            ks = [t.reward for t in usable if t.kind == kind]
+            if ks:
+                rec[f"reward_{kind}"] = sum(ks) / len(ks)
+        if fresh:
+            rec["episode_log"] = [t.summary() for t in trajs]
+        return rec
+
+
+def run_grpo(model, tokenizer, tasks: Sequence, gconfig: GRPOConfig, lconfig: LoopConfig, out_dir, *,
+             init: str, ref_model=None, resume: bool = False, overwrite: bool = False, on_record=None,
+             episode_fn: Callable = run_episode, sandbox: SandboxConfig | None = None,
+             evaluate: Callable | None = None) -> list[dict]:
+    """GRPO on `model` in place; OUT/metrics.jsonl, OUT/checkpoint (which names its tokenizer)."""
+    mu = gconfig.updates_per_batch
+    if lconfig.ckpt_every % mu or lconfig.steps % mu:
+        raise ValueError(f"--ckpt-every ({lconfig.ckpt_every}) and --steps ({lconfig.steps}) must be multiples of "
+                         f"--updates-per-batch ({mu}), so every checkpoint can be resumed")
+    trainer = GRPOTrainer(model, tokenizer, tasks, gconfig, lconfig.seed, ref_model, episode_fn, sandbox)
+    fields = {"tokenizer": str(tokenizer.path), "init": str(init), "tasks": [t.id for t in trainer.tasks][:4] +
+              [len(trainer.tasks)], **{k: v for k, v in dataclasses.asdict(gconfig).items()}}
+    loop = StepLoop(model, lconfig, out_dir, {"kind": "rl-grpo", "tokenizer_sha256": tokenizer.fingerprint}, fields)
+    return loop.fit(trainer.step_fn, resume=resume, overwrite=overwrite, on_record=on_record, evaluate=evaluate)
+
+
+# ---------------------------------------------------------------------------------------- evaluation
+def evaluate(model, tokenizer, tasks: Sequence, harness: str, n_variants: int = 1, seed: int = 1, *,
+             max_tokens: int = 96, chunk: int = 24, fixed_dialect: str = "react", max_turns: int | None = None,
+             sandbox: SandboxConfig | None = None) -> tuple[dict, list[Trajectory]]:
+    """Greedy episodes of every task under `n_variants` harness variants each -> (success table, trajectories).
+    Seeds (so variants) are the same for every model evaluated with the same arguments."""
+    cfg = episode_config(harness, fixed_dialect, max_steps=max_turns, **({"sandbox": sandbox} if sandbox else {}))
+    jobs = [Job(t, _seed("k3-rl-eval", seed, harness, t.id, k), 0, group=i)
+            for i, (t, k) in enumerate((t, k) for t in tasks for k in range(n_variants))]
+    trajs: list[Trajectory] = []
+    for i in range(0, len(jobs), chunk):
+        trajs += run_jobs(model, tokenizer, jobs[i:i + chunk], cfg, temperature=0.0, max_tokens=max_tokens)
+    return success_table(trajs), trajs
+
+
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate k/n."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def write_json(path, obj) -> None:
+    atomic_write_json(Path(path), obj)

@@ -1,0 +1,51 @@
+"""`k3 rl`: the stages end to end at toy size, and bad input as one-line errors."""
+import json
+
+from k3.cli import main
+
+
+def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
+    root = str(tmp_path / "exp")
+    common = ["--root", root, "-q", "--threads", "1"]
+    assert main(["rl", "warmstart", *common, "--tasks-per-kind", "1", "--demos-per-task", "1", "--steps", "2",
+                 "--batch", "1", "--vocab-size", "600", "--ckpt-every", "0", "--workers", "3", "--n-layers", "2",
+                 "--tokenizer-prompts", "40", "--json"]) == 0
+    warm = json.loads(capsys.readouterr().out)
+    assert warm["steps"] == 2 and warm["demos"] == 3
+    assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
+                 "--group-size", "2", "--max-tokens", "6", "--ckpt-every", "1", "--name", "fixed", "--harness",
+                 "fixed", "--max-turns", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 2 and 0.0 <= out["reward_last"] <= 1.0
+    metrics = [json.loads(x) for x in (tmp_path / "exp/fixed/metrics.jsonl").read_text().splitlines()]
+    train = [r for r in metrics if r["kind"] == "train"]
+    assert len(train) == 2 and {e["dialect"] for r in train for e in r["episode_log"]} == {"react"}
+    assert main(["rl", "eval", "--root", root, "--models", "warmstart,fixed", "--harness", "unseen", "--n-per-kind",
+                 "1", "--variants", "1", "--max-tokens", "4", "--max-turns", "2", "--threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["models"]) == {"warmstart", "fixed"} and report["tasks"] == 3
+    assert report["models"]["fixed"]["unseen"]["episodes"] == 3
+    assert main(["rl", "plot", "--root", root, "--runs", "fixed", "--json"]) == 0
+    assert (tmp_path / "exp/reward.png").stat().st_size > 0
+    # resuming a finished run is allowed; starting over on top of it needs --overwrite
+    assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
+                 "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_rl_bad_input(tmp_path, capsys):
+    root = str(tmp_path / "none")
+    assert main(["rl", "train", "--root", root]) == 2
+    assert "k3 rl warmstart" in capsys.readouterr().err
+    assert main(["rl", "eval", "--root", root]) == 2
+    capsys.readouterr()
+    (tmp_path / "none").mkdir()
+    from k3.data.tokenizer import train_tokenizer
+    train_tokenizer(["a b c d e f"] * 50, 300, path=tmp_path / "none" / "tokenizer.json", allow_short=True)
+    assert main(["rl", "train", "--root", root, "--group-size", "1"]) == 2
+    assert "at least 2 rollouts" in capsys.readouterr().err
+    assert main(["rl", "train", "--root", root, "--fixed-dialect", "vim", "--harness", "fixed"]) == 2
+    assert "fixed dialect" in capsys.readouterr().err
+    assert main(["rl", "train", "--root", root]) == 2
+    assert "train 'warmstart' first" in capsys.readouterr().err
+    assert main(["rl"]) == 2

@@ -1,0 +1,46 @@
+"""The warm start's loss: the policy's tokens, and optionally the context at its own weight."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.rl.train import _seed, sft_step_fn
+
+
+class Bigram(torch.nn.Module):
+    def __init__(self, V=11):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(V, V))
+
+    def forward(self, ids):
+        return self.table[ids]
+
+
+def _manual(model, ex, w):
+    ce_p, ce_c, n_p, n_c = 0.0, 0.0, 0, 0
+    for ids, mask in ex:
+        logp = F.log_softmax(model(torch.tensor(ids)), -1)
+        for t in range(1, len(ids)):
+            if mask[t]:
+                ce_p, n_p = ce_p - logp[t - 1, ids[t]], n_p + 1
+            else:
+                ce_c, n_c = ce_c - logp[t - 1, ids[t]], n_c + 1
+    return ce_p / n_p + w * ce_c / n_c
+
+
+@pytest.mark.parametrize("w", [0.0, 0.5])
+def test_policy_and_context_losses(w):
+    torch.manual_seed(0)
+    model = Bigram()
+    ex = [([3, 4, 5, 6, 7], [False, False, True, True, False]), ([8, 9, 10], [False, True, True])]
+    out = sft_step_fn(model, ex, batch_size=2, seed=0, context_loss_weight=w)(0)
+    # the step draws its examples with an RNG that is a function of (seed, step): draw them the same way
+    rng = random.Random(_seed("k3-rl-sft", 0, 0))
+    drawn = [ex[rng.randrange(2)] for _ in range(2)]
+    torch.testing.assert_close(out["loss"], _manual(model, drawn, w))
+    assert out["tokens"] == sum(sum(m[1:]) for _, m in drawn) and ("ce_context" in out) == (w > 0)
+    with pytest.raises(ValueError, match="context_loss_weight"):
+        sft_step_fn(model, ex, 2, 0, context_loss_weight=-1.0)
+    with pytest.raises(ValueError, match="no demonstrations"):
+        sft_step_fn(model, [], 2, 0)
