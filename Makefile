@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.k3-installed
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup bwrap test demo bench lint clean
+.PHONY: setup bwrap test demo bench bench-long lint clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ bench: setup
 	$(BIN)/python benchmarks/balancing.py --json
 	$(BIN)/python benchmarks/sandbox.py --json
 	$(BIN)/python benchmarks/train.py --json
+	$(BIN)/python benchmarks/ep.py --json
+	$(BIN)/python benchmarks/serve_load.py --json
+	$(BIN)/python benchmarks/decode.py --json
+	$(BIN)/python benchmarks/report.py
+
+# hours on 2 CPU cores: QAT training runs (about 40 min) and a 1,048,576-token prefill (about 2 h)
+bench-long: setup
+	$(BIN)/python benchmarks/qat.py --json
+	$(BIN)/python benchmarks/long_context.py --json
 	$(BIN)/python benchmarks/report.py
 
 lint: setup

@@ -17,13 +17,8 @@ runs/bench/balancing.json atomically.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +26,8 @@ from torch import nn
 
 from k3.config import get_config
 from k3.model.moe import MoE
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, machine, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "balancing.json"
 METHODS = ("none", "aux_loss", "bias", "quantile")
 
 
@@ -164,15 +157,11 @@ def main(argv=None) -> dict:
         "loss_floor": data.floor,
         "unigram_entropy": float(-(data.pi * data.pi.clamp_min(1e-300).log()).sum()),
         "methods": results,
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "python": sys.version.split()[0]},
+        "machine": machine(),
     }
-    atomic_write_json(OUT, out)
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"loss floor (conditional entropy) {data.floor:.4f}; wrote {OUT}")
+    out_path = write_result(bench_out("balancing", args.quick), out, args.json)
+    if not args.json:
+        print(f"loss floor (conditional entropy) {data.floor:.4f}; wrote {out_path}")
     return out
 
 

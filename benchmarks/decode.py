@@ -18,25 +18,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from k3.config import get_config
 from k3.data.tokenizer import SPECIAL_TOKENS
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine, paired, write_result
 from k3.model.cache import HybridCache, KDACache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.transformer import K3Model
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "decode.json"
 HEADLINE_CONTEXT = 262_144
 
 
@@ -90,30 +82,6 @@ def decode_step(model: K3Model, cache: HybridCache, token: torch.Tensor) -> torc
     return model(token, cache)[:, -1].argmax(-1, keepdim=True)
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def paired(step_a, step_b, repeats: int, warmup: int = 2) -> dict:
-    """Alternate a and b; ratio = t_b / t_a per repeat (> 1: a is faster)."""
-    for _ in range(warmup):
-        step_a()
-        step_b()
-    ta, tb = [], []
-    for r in range(repeats):
-        if r % 2:
-            tb.append(_timed(step_b))
-            ta.append(_timed(step_a))
-        else:
-            ta.append(_timed(step_a))
-            tb.append(_timed(step_b))
-    ratios = [b / a for a, b in zip(ta, tb)]
-    return {"a_median_s": statistics.median(ta), "b_median_s": statistics.median(tb),
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
-
-
 def _stepper(model: K3Model, cache: HybridCache):
     token = torch.tensor([[len(SPECIAL_TOKENS)]])
     return lambda: decode_step(model, cache, token)
@@ -123,7 +91,7 @@ def bench_context(hybrid: K3Model, mla: K3Model, context: int, repeats: int, see
     gen = torch.Generator().manual_seed(seed)
     ch, cm = fill_cache(hybrid, context, generator=gen), fill_cache(mla, context, generator=gen)
     bytes_h, bytes_m = ch.nbytes(), cm.nbytes()  # before decoding appends to them
-    p = paired(_stepper(hybrid, ch), _stepper(mla, cm), repeats)
+    p = paired(_stepper(hybrid, ch), _stepper(mla, cm), repeats, warmup=2)
     row = {
         "context": context,
         "hybrid": {"ms_per_token": 1e3 * p["a_median_s"], "tokens_per_s": 1 / p["a_median_s"], "cache_bytes": bytes_h},
@@ -145,23 +113,11 @@ def value_check(hybrid: K3Model, mla: K3Model, context: int, repeats: int, seed:
         fake = fill_cache(model, context, generator=torch.Generator().manual_seed(seed + 1))
         same = slot_signature(real) == slot_signature(fake) and real.nbytes() == fake.nbytes() \
             and real.seen_tokens == fake.seen_tokens
-        p = paired(_stepper(model, real), _stepper(model, fake), repeats)
+        p = paired(_stepper(model, real), _stepper(model, fake), repeats, warmup=2)
         out[name] = {"shapes_and_bytes_match": same, "cache_bytes_real": real.nbytes(),
                      "cache_bytes_random": fake.nbytes(), "time_random_over_real": p["ratio_median"]}
     out["shapes_and_bytes_match"] = all(out[k]["shapes_and_bytes_match"] for k in ("hybrid", "all_mla"))
     return out
-
-
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
 
 
 def run(preset: str = "long", contexts=(1024, 8192, 65536, HEADLINE_CONTEXT), repeats: int = 15,
@@ -205,7 +161,7 @@ def run(preset: str = "long", contexts=(1024, 8192, 65536, HEADLINE_CONTEXT), re
             "cache_ratio": "hybrid cache bytes / all-MLA cache bytes at the same context",
         },
         "machine": before,
-        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_after": loadavg(),
     }
 
 
@@ -218,17 +174,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--check-context", type=int, default=8192, help="real-prefill check length (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--quick", action="store_true", help="contexts 256,1024, 3 repeats: a smoke test")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None, help="default runs/bench/decode.json (quick runs: runs/bench/quick/)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     contexts = (256, 1024) if args.quick else tuple(int(c) for c in args.contexts.split(","))
     repeats = 3 if args.quick else args.repeats
     check = (256 if args.quick else args.check_context) or None
     result = run(args.preset, contexts, repeats, check)
-    atomic_write_json(args.out, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    write_result(args.out or bench_out("decode", args.quick), result, args.json)
+    if not args.json:
         for r in result["rows"]:
             print(f"context {r['context']:>8,}: hybrid {r['hybrid']['ms_per_token']:7.2f} ms/token "
                   f"({r['hybrid']['cache_bytes'] / 2**20:8.2f} MiB)  all-MLA {r['all_mla']['ms_per_token']:7.2f} "

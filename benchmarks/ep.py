@@ -23,21 +23,14 @@ Writes runs/bench/ep.json atomically.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 from k3.config import get_config
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "ep.json"
 
 
 # ---------------------------------------------------------------------- 1. payload
@@ -205,18 +198,6 @@ def predicted_stage_ratios(name: str, n_stages: int) -> list[dict]:
     return rows
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "backend": "gloo (local processes)",
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-
-
 def main(argv=None) -> dict:
     from k3.parallel.launch import run_local
     from k3.parallel.placement import max_over_mean
@@ -230,7 +211,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     repeats = args.repeats or (1 if args.quick else 3)
     batch, seq = (1, 32) if args.quick else (2, 64)
-    machine_before = machine()
+    machine_before = machine(backend="gloo (local processes)")
 
     pay = run_local(_payload, 2, repeats, batch, seq, timeout_s=600)
     lat = {k: statistics.median(r["latent"][k] for r in pay) for k in ("fwd_payload", "fwd_remote", "bwd_payload")}
@@ -296,12 +277,10 @@ def main(argv=None) -> dict:
                                          "single-process Trainer| on the same global batches",
         },
         "machine": machine_before,
-        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_after": loadavg(),
     }
-    atomic_write_json(OUT, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    out_path = write_result(bench_out("ep", args.quick), result, args.json)
+    if not args.json:
         print(f"bytes/token/MoE layer (forward): latent {lat['fwd_payload']:.0f}, standard {std['fwd_payload']:.0f} "
               f"-> latent_payload_ratio {result['latent_payload_ratio']:.3f} (design {result['design_payload_ratio']})")
         print(f"rank load max/mean on Zipf({args.zipf}): before {result['rank_load_max_over_mean_before']:.3f}, "
@@ -309,7 +288,7 @@ def main(argv=None) -> dict:
         print(f"stage bytes block/full: {result['block_over_full_stage_bytes']:.3f} (predicted {pred:.3f})")
         print(f"2-rank vs single-process loss, max |diff| over 20 steps: fp32 "
               f"{result['trajectory_fp32_max_abs_diff']:.2e}, fp64 {result['trajectory_fp64_max_abs_diff']:.2e}")
-        print(f"wrote {OUT}")
+        print(f"wrote {out_path}")
     return result
 
 

@@ -13,21 +13,16 @@ matmul, and the max relative error of our output against fla's recurrent referen
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, machine, matmul_peak, write_result
 from k3.ops.kda import chunk_kda
-
-OUT = Path(__file__).resolve().parent.parent / "runs" / "bench" / "kda.json"
 
 
 def make_inputs(B, T, H, K, V, strong=False, requires_grad=False):
@@ -79,17 +74,6 @@ def summary(ts: list, tokens: int) -> dict:
             "tokens_per_s": tokens / med, "repeats": len(ts)}
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        ts.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(ts) / 1e9
-
-
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -108,7 +92,7 @@ def main() -> dict:
     ref_repeats = 3
     tokens = B * T
     load_before = os.getloadavg()
-    peak = matmul_peak_gflops()
+    peak = matmul_peak()["best_gflops"]
     contenders = {"ours_chunk": chunk_kda, "fla_naive_chunk": naive_chunk_kda, "fla_naive_recurrent": naive_recurrent_kda}
 
     # fla's references take seconds per call at full size: warm them up on a short sequence instead
@@ -141,9 +125,7 @@ def main() -> dict:
         "claim": "k3 chunk_kda (pure torch) vs fla naive_chunk_kda / naive_recurrent_kda on CPU",
         "shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": "float32", "chunk_size": 64,
                   "g": "logsigmoid(N(0,1)) per channel", "quick": args.quick},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": machine(loadavg_before=load_before, loadavg_after=os.getloadavg()),
         "torch": torch.__version__,
         "fla": getattr(fla, "__version__", "unknown"),
         "speedup_vs_fla_naive_chunk": f_sum["fla_naive_chunk"]["median_s"] / ours_s,
@@ -162,15 +144,13 @@ def main() -> dict:
         "fraction_of_matmul_peak": gflops / peak,
         "max_rel_err_vs_fla_naive_recurrent": max_rel_err,
     }
-    atomic_write_json(OUT, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    out_path = write_result(bench_out("kda", args.quick), result, args.json)
+    if not args.json:
         print(f"forward: {result['speedup_vs_fla_naive_chunk']:.1f}x vs fla naive_chunk, "
               f"{result['speedup_vs_fla_naive_recurrent']:.1f}x vs fla naive_recurrent; "
               f"fwd+bwd: {result['fwd_bwd_speedup_vs_fla_naive_chunk']:.1f}x / "
               f"{result['fwd_bwd_speedup_vs_fla_naive_recurrent']:.1f}x; "
-              f"{gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of matmul peak; wrote {OUT}")
+              f"{gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of matmul peak; wrote {out_path}")
     return result
 
 

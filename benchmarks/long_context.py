@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -33,6 +32,7 @@ from tqdm import tqdm
 
 from k3.config import get_config
 from k3.data.tokenizer import SPECIAL_TOKENS
+from k3.benchtools import loadavg, machine
 from k3.fileio import atomic_write_json
 from k3.model.accounting import cache_bytes
 from k3.model.cache import KDACache, MLACache
@@ -86,18 +86,6 @@ def cache_parts(cache) -> dict:
 
 def random_ids(n: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(len(SPECIAL_TOKENS), vocab, (1, n), generator=generator)
-
-
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -230,7 +218,7 @@ def run(preset: str = "long", tokens: int = 1_048_576, chunk: int = 256, decode_
             "peak_rss_bytes": "getrusage ru_maxrss: the steady state plus one chunk's transient attention work",
         },
         "machine": machine(),
-        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_after": loadavg(),
     }
 
 

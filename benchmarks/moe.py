@@ -14,52 +14,14 @@ GFLOP/s of a 2048^2 fp32 matmul measured in the same process. Writes runs/bench/
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 from k3.config import get_config
 from k3.model.moe import MoE, _grouped_backend
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine, matmul_peak, paired, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "moe.json"
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def paired(fn_a, fn_b, repeats: int, warmup: int = 1) -> dict:
-    """Time a and b alternately; ratio = t_b / t_a per repeat (> 1 means a is faster)."""
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    ta, tb = [], []
-    for r in range(repeats):
-        first, second = (fn_a, fn_b) if r % 2 == 0 else (fn_b, fn_a)
-        t1, t2 = _time(first), _time(second)
-        ta.append(t1 if r % 2 == 0 else t2)
-        tb.append(t2 if r % 2 == 0 else t1)
-    ratios = [b / a for a, b in zip(ta, tb)]
-    return {"a_median_s": statistics.median(ta), "b_median_s": statistics.median(tb),
-            "ratio_median": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
-
-
-def matmul_peak(repeats: int, n: int = 2048) -> dict:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    ts = [_time(lambda: a @ b) for _ in range(repeats)]
-    return {"n": n, "median_gflops": 2 * n**3 / statistics.median(ts) / 1e9,
-            "best_gflops": 2 * n**3 / min(ts) / 1e9}
 
 
 def layer_flops(cfg, tokens: int) -> dict:
@@ -79,7 +41,7 @@ def _compare(make, flops: int, repeats: int) -> dict:
     for name, mult in (("forward", 1), ("forward_backward", 3)):
         p = paired(make(name, "grouped", "auto"), make(name, "loop", "auto"), repeats)
         res = {"grouped_median_ms": 1e3 * p["a_median_s"], "loop_median_ms": 1e3 * p["b_median_s"],
-               "speedup_vs_loop": p["ratio_median"], "speedup_range": p["ratio_range"],
+               "speedup_vs_loop": p["ratio_median"], "speedup_range": [p["ratio_min"], p["ratio_max"]],
                "grouped_gflops": mult * flops / p["a_median_s"] / 1e9,
                "loop_gflops": mult * flops / p["b_median_s"] / 1e9, "backends": {}}
         for backend in ("grouped_mm", "bmm", "slices"):
@@ -140,18 +102,6 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
     }
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "loadavg_1m_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -169,7 +119,7 @@ def main(argv=None) -> dict:
     res = bench(cfg, batch, seq, repeats)
     peak_after = matmul_peak(repeats)
     peak = statistics.median([peak_before["median_gflops"], peak_after["median_gflops"]])
-    info["loadavg_1m_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    info["loadavg_1m_end"] = loadavg()
     for part in ("layer", "routed_experts_only"):
         for name in ("forward", "forward_backward"):
             r = res[part][name]
@@ -189,10 +139,8 @@ def main(argv=None) -> dict:
         **res,
         "machine": info,
     }
-    atomic_write_json(OUT, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    out_path = write_result(bench_out("moe", args.quick), result, args.json)
+    if not args.json:
         for part in ("layer", "routed_experts_only"):
             for name in ("forward", "forward_backward"):
                 r = res[part][name]
@@ -200,7 +148,7 @@ def main(argv=None) -> dict:
                       f"{r['loop_median_ms']:8.1f} ms  speedup {r['speedup_vs_loop']:.2f}x  "
                       f"{r['grouped_gflops']:.1f} GFLOP/s = {r['fraction_of_matmul_peak']:.2f} of the "
                       f"{peak:.1f} GFLOP/s matmul peak")
-        print(f"wrote {OUT}")
+        print(f"wrote {out_path}")
     return result
 
 

@@ -16,51 +16,13 @@ of medians on a shared machine. Writes runs/bench/mx.json atomically.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 
 from k3.ops.mx import dequantize_mx, quantize_mx
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine as _machine, paired, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "mx.json"
 TORCHAO_DTYPE = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8": torch.float8_e4m3fn}
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def paired(fn_a, fn_b, repeats: int, warmup: int = 2) -> dict:
-    """Time a and b alternately; ratio = t_b / t_a per repeat (> 1 means a is faster)."""
-    for _ in range(warmup):
-        fn_a()
-        fn_b()
-    ta, tb = [], []
-    for r in range(repeats):
-        if r % 2:
-            tb.append(_time(fn_b))
-            ta.append(_time(fn_a))
-        else:
-            ta.append(_time(fn_a))
-            tb.append(_time(fn_b))
-    ratios = [b / a for a, b in zip(ta, tb)]
-    return {
-        "a_median_s": statistics.median(ta),
-        "b_median_s": statistics.median(tb),
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-    }
 
 
 def bench_quantize(shape, repeats: int) -> dict:
@@ -190,16 +152,7 @@ def machine() -> dict:
         ao = torchao.__version__
     except Exception:  # pragma: no cover - torchao is a dev dependency
         ao = None
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "torchao": ao,
-        "python": sys.version.split()[0],
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
+    return _machine(torchao=ao)
 
 
 def main(argv=None) -> dict:
@@ -242,12 +195,10 @@ def main(argv=None) -> dict:
             "from packed MXFP4, dequantized every forward); mini shapes: 64 experts, top-8, dim 128, ffn 256",
         },
         "machine": machine_before,
-        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_after": loadavg(),
     }
-    atomic_write_json(OUT, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    out_path = write_result(bench_out("mx", args.quick), result, args.json)
+    if not args.json:
         for fmt, v in q.items():
             print(f"{fmt}: quantize {v['ours_elements_per_s'] / 1e6:.1f} M el/s vs to_mx "
                   f"{v['torchao_to_mx_elements_per_s'] / 1e6:.1f} M el/s -> "
@@ -258,7 +209,7 @@ def main(argv=None) -> dict:
         print(f"routed experts from packed mxfp4 ({e['bits_per_param']:.2f} bits/param): "
               f"{e['packed_over_fp32']:.2f}x fp32 throughput, cached {e['cached_over_fp32']:.2f}x")
         print(f"cuda hardware MX: {cuda.get('skipped') or cuda}")
-        print(f"wrote {OUT}")
+        print(f"wrote {out_path}")
     return result
 
 

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import socket
 import statistics
@@ -36,10 +35,8 @@ from pathlib import Path
 
 import torch
 
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "serve_load.json"
 HOST = "127.0.0.1"  # localhost only, by design
 MODEL = "bench"
 
@@ -238,12 +235,6 @@ def summary(rounds: list[dict]) -> dict:
     }
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
-            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -328,12 +319,10 @@ def main(argv=None) -> dict:
             "cpu_s": "CPU seconds over all rounds: the server's busiest thread (the model), its other threads "
                      "(HTTP event loop and the rest), the client process; wall_s is the rounds' wall time",
         },
-        "machine": m_before, "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "machine": m_before, "loadavg_1m_after": loadavg(),
     }
-    atomic_write_json(OUT, result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    out_path = write_result(bench_out("serve_load", args.quick), result, args.json)
+    if not args.json:
         for name, r in runs.items():
             print(f"{name}: {r['tokens_per_s']:.0f} tokens/s, latency p50 {r['latency_p50_s']:.2f}s p99 "
                   f"{r['latency_p99_s']:.2f}s, ttft p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
@@ -342,7 +331,7 @@ def main(argv=None) -> dict:
               f"{engine['max_batch_1_tokens_per_s']:.0f} tokens/s, {engine['speedup_vs_max_batch_1']:.2f}x")
         print(f"batched / max_batch 1 throughput: {result['speedup_vs_max_batch_1']:.2f}x; overload "
               f"{over['sent']} at once: {over['ok']} ok, {over['rejected_429']} x 429, {over['other_errors']} other")
-        print(f"wrote {OUT}")
+        print(f"wrote {out_path}")
     return result
 
 

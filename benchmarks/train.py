@@ -13,12 +13,8 @@ steps of each part's fraction of its step. Writes runs/bench/train.json atomical
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
-import os
-import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -27,10 +23,8 @@ from k3.config import get_config
 from k3.train.metrics import measured_peak_flops
 from k3.train.profiling import ComponentTimer
 from k3.train.trainer import TrainConfig, Trainer
-from k3.fileio import atomic_write_json
+from k3.benchtools import bench_out, loadavg, machine, write_result
 
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "train.json"
 
 
 class RandomTokens:
@@ -48,19 +42,6 @@ class RandomTokens:
         return w[:, :-1], w[:, 1:]
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -72,7 +53,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None, help="default 128 (32 with --quick)")
     ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None, help="default runs/bench/train.json (quick runs: runs/bench/quick/)")
     args = ap.parse_args(argv)
     preset = args.preset or ("tiny" if args.quick else "mini")
     steps = args.steps or (3 if args.quick else 5)
@@ -152,12 +133,10 @@ def main(argv=None) -> dict:
                      "(in optimizer), QK-Clip, balancing",
         },
         "machine": machine_before,
-        "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "loadavg_1m_after": loadavg(),
     }
-    atomic_write_json(Path(args.out), result)
-    if args.json:
-        print(json.dumps(result))
-    else:
+    write_result(Path(args.out or bench_out("train", args.quick)), result, args.json)
+    if not args.json:
         print(f"{preset} on {trainer.device} ({result['dtype']}), batch {B} x {T}: {result['tokens_per_s']:.0f} "
               f"tokens/s, step {dt * 1e3:.0f} ms, MFU {result['mfu'] * 100:.1f}% of a measured "
               f"{peak / 1e9:.0f} GFLOP/s")

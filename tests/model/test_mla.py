@@ -160,7 +160,7 @@ def test_gate_scales_output():
 def test_gate_is_elementwise_per_channel():
     m = make()
     x = torch.randn(1, 5, 64)
-    H, V = m.n_heads, m.v_head_dim
+    V = m.v_head_dim
     with torch.no_grad():
         m.w_gate.weight.zero_()
         m.wo.weight.zero_()

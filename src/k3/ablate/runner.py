@@ -260,7 +260,7 @@ def execute(spec: RunSpec, out: str | os.PathLike, data_dir: str | None, save_we
             on_step: Callable[[dict], None] | None = None) -> dict:
     """Run one spec to completion (resuming its checkpoint if any) and write its result.json."""
     from k3.model.accounting import count_params
-    from k3.train.metrics import bits_per_byte, flops_per_token
+    from k3.train.metrics import bits_per_byte
 
     d = run_dir(Path(out), spec.key)
     d.mkdir(parents=True, exist_ok=True)

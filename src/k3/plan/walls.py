@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from k3.config import K3Config
 from k3.model import accounting as acc
@@ -229,7 +229,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
     per_stage = []
     for s, layers in enumerate(st):
         frac = fraction(layers)
-        first, last = s == 0, s == pp - 1
+        last = s == pp - 1
         mem: dict = {}
         if train:
             w = acc.param_bytes(model, train_prec, frac)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from k3.ops.attnres.naive import check_query, check_sources, compute_dtype, rms_normalize
+from k3.ops.attnres.naive import check_query, check_sources, rms_normalize
 
 __all__ = ["Phase1Stats", "Phase2Out", "blockwise_mix", "merged_weights", "phase1", "phase2"]
 
