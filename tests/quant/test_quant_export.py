@@ -176,6 +176,6 @@ def test_cli_export_then_eval(tmp_path, tiny_data_dir, capsys):
     assert main(["sample", "--ckpt", str(tmp_path / "ex"), "--prompt", "def ", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("def ")
     assert main(["export", "--format", "gguf", str(run / "checkpoint"), "--out", str(tmp_path / "e2")]) == 2
-    assert "--format mx" in capsys.readouterr().err
+    assert "use one of mx, hf" in capsys.readouterr().err
     assert main(["quant-bytes", "--preset", "tiny", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["by_component"]["moe_routed"]["params"] > 0

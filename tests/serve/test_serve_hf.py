@@ -178,6 +178,23 @@ def test_export_hf_from_a_training_checkpoint(tok, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_k3_export_format_hf_cli(tok, tmp_path, capsys):
+    from k3.cli import main
+    model = k3_model()
+    save_checkpoint(tmp_path / "ckpt", 3, model, config=model.config, data_state={"tokenizer": str(tok.path)})
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    hf, _ = load_hf(tmp_path / "hf")
+    ids = prompt(1, 6)
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, model(ids))
+    # an existing export is not replaced without --overwrite; --tokenizer belongs to the hf format
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf"]) != 0
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf",
+                 "--overwrite", "--tokenizer", str(tok.path)]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "mx"), "--tokenizer", str(tok.path)]) != 0
+
+
 def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):
     src = K3ForCausalLM.from_k3(k3_model())
     src.save_pretrained(tmp_path)

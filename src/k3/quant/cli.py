@@ -1,18 +1,39 @@
-"""`k3 export` (packed MX checkpoints) and `k3 quant-bytes` (checkpoint bytes by component and precision)."""
+"""`k3 export` (packed MX checkpoints, HF transformers directories) and `k3 quant-bytes` (checkpoint bytes by
+component and precision)."""
 from __future__ import annotations
 
 import argparse
 import json
 
+from pathlib import Path
+
 from k3.model.cli import add_config_args, config_from_args
+
+FORMATS = ("mx", "hf")
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from k3.serve.hf import export_hf
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"{out} exists and is not empty; pass --overwrite to replace it or choose another --out")
+    path = export_hf(args.ckpt, out, tokenizer_path=args.tokenizer)
+    print(f"exported {args.ckpt} -> {path} (HF transformers: config.json, model.safetensors, tokenizer files)")
+    print(f"load it: import k3.serve.hf; AutoModelForCausalLM.from_pretrained({str(path)!r})")
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from k3.quant.export import EXPORT_KEY, export_mx
     from k3.train.checkpoint import read_manifest
 
-    if args.format != "mx":
-        raise ValueError(f"--format {args.format!r} is not supported; use --format mx")
+    if args.format not in FORMATS:
+        raise ValueError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
+    if args.format == "hf":
+        return cmd_export_hf(args)
+    if args.tokenizer is not None:
+        raise ValueError("--tokenizer applies to --format hf only")
     path = export_mx(args.ckpt, args.out, activations=args.activations, overwrite=args.overwrite)
     info = read_manifest(path, verify=False)["extra"][EXPORT_KEY]
     print(f"exported {info['source']['checkpoint']} (step {info['source']['step']}) -> {path}")
@@ -32,14 +53,19 @@ def cmd_quant_bytes(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="write a checkpoint with packed MX routed experts (k3 export --format mx)",
-                       description="Pack a training checkpoint's routed-expert weights as MX codes + E8M0 scales "
-                                   "(MXFP4: two codes per byte); every other tensor is copied as stored. The "
-                                   "result loads with `k3 eval --ckpt OUT` / `k3 sample --ckpt OUT` and runs the "
-                                   "experts from the packed weights. See docs/quantization.md.")
+    p = sub.add_parser("export", help="export a checkpoint: packed MX routed experts (--format mx) or an HF "
+                                      "transformers directory (--format hf)",
+                       description="--format mx: pack a training checkpoint's routed-expert weights as MX codes + "
+                                   "E8M0 scales (MXFP4: two codes per byte); every other tensor is copied as stored. "
+                                   "The result loads with `k3 eval --ckpt OUT` / `k3 sample --ckpt OUT` and runs the "
+                                   "experts from the packed weights (docs/quantization.md). --format hf: write "
+                                   "config.json, model.safetensors and the tokenizer for AutoModelForCausalLM "
+                                   "(docs/serving.md).")
     p.add_argument("ckpt", help="training checkpoint: a step directory or a root holding `latest`")
     p.add_argument("--out", required=True, help="output directory (becomes a checkpoint root)")
-    p.add_argument("--format", default="mx", help="export format; only 'mx' (default)")
+    p.add_argument("--format", default="mx", help=f"export format: {', '.join(FORMATS)} (default mx)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json to ship with --format hf (default: the one the checkpoint's manifest names)")
     p.add_argument("--activations", choices=("keep", "mxfp8", "mxfp4", "none"), default="keep",
                    help="qat.activations of the exported model (default: keep the checkpoint's; a full-precision "
                         "checkpoint exported with mxfp8 runs K3's PTQ setting)")
