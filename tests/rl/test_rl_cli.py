@@ -25,6 +25,10 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
     report = json.loads(capsys.readouterr().out)
     assert set(report["models"]) == {"warmstart", "fixed"} and report["tasks"] == 3
     assert report["models"]["fixed"]["unseen"]["episodes"] == 3
+    assert main(["rl", "intent", "--root", root, "--models", "warmstart", "--n", "3", "--threads", "1", "--json"]) == 0
+    intent = json.loads(capsys.readouterr().out)
+    assert intent["models"]["warmstart"]["demos"] + intent["models"]["warmstart"]["skipped"] == 3
+    assert (tmp_path / "exp/intent.json").is_file()
     assert main(["rl", "plot", "--root", root, "--runs", "fixed", "--json"]) == 0
     assert (tmp_path / "exp/reward.png").stat().st_size > 0
     # resuming a finished run is allowed; starting over on top of it needs --overwrite

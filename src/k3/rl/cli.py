@@ -165,12 +165,44 @@ def cmd_eval(args) -> dict:
     return report
 
 
+def cmd_intent(args) -> dict:
+    """Teacher-forced command choice per task kind on demonstrations (does the policy read the instruction?)."""
+    import random
+    from k3.rl.train import command_choice, write_json
+    from k3.train.cli import set_threads
+    set_threads(args.threads)
+    root = Path(args.root)
+    tok = _tokenizer(root)
+    path = root / "demos.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; run `k3 rl warmstart --root {root}` first")
+    demos = [json.loads(x) for x in path.read_text().splitlines()[1:] if x.strip()]
+    if args.dialect:
+        demos = [d for d in demos if d["dialect"] == args.dialect]
+    random.Random(args.seed).shuffle(demos)
+    demos = demos[:args.n]
+    if not demos:
+        raise ValueError(f"no demonstrations{' in dialect ' + args.dialect if args.dialect else ''} under {root}")
+    report = {"demos": len(demos), "dialect": args.dialect, "models": {}}
+    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+        model, manifest = _load(root, name, tok)
+        report["models"][name] = {"step": manifest["step"], **command_choice(model, tok, demos)}
+        rows = report["models"][name]["p"]
+        print(f"{name:12s} step {manifest['step']:5d} " + "  ".join(
+            f"{k}: " + "/".join(f"{rows[k][c]:.2f}" for c in rows[k]) for k in rows), file=sys.stderr)
+    write_json(args.out or root / "intent.json", report)
+    return report
+
+
 def cmd_plot(args) -> dict:
     from k3.rl.plots import plot_rewards
     root = Path(args.root)
     runs = {n.strip(): root / n.strip() / "metrics.jsonl" for n in args.runs.split(",") if n.strip()}
+    eval_path = Path(args.eval) if getattr(args, "eval", None) else root / "eval.json"
+    if getattr(args, "eval", None) and not eval_path.is_file():
+        raise ValueError(f"{eval_path} does not exist; write it with `k3 rl eval --out {eval_path}`")
     path = plot_rewards(runs, Path(args.out) if args.out else root / "reward.png",
-                        eval_path=root / "eval.json" if (root / "eval.json").is_file() else None)
+                        eval_path=eval_path if eval_path.is_file() else None)
     return {"plot": str(path)}
 
 
@@ -181,7 +213,7 @@ DEMO = {  # bounded so the whole pipeline runs in well under 15 minutes on 2 CPU
 
 
 def cmd_demo(args) -> dict:
-    """Warm start, GRPO with harness swapping, held-out evaluation (training and unseen harness), plot."""
+    """Warm start, GRPO with dialects swapped per episode, held-out evaluation (training and unseen harness), plot."""
     import argparse
     root = Path(args.root or "runs/rl/demo")
     t0 = time.perf_counter()
@@ -196,17 +228,19 @@ def cmd_demo(args) -> dict:
                               batch=DEMO["warm_batch"], lr=3e-3, warmup=20, decay_frac=0.1, ckpt_every=0,
                               context_loss_weight=0.0)
     out = {"warmstart": cmd_warmstart(warm)}
-    train = argparse.Namespace(**common, init="warmstart", name="swap", harness="swap",
+    # the recipe of docs/rl.md's evidence runs: dialects swapped per episode (their own tool names: renamed
+    # ones give a warm start this small almost no success to learn from), episodes weighed equally, a KL term
+    train = argparse.Namespace(**common, init="warmstart", name="grpo", harness="canonical",
                                tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"], groups=DEMO["groups"],
                                group_size=DEMO["group_size"], temperature=1.0, updates_per_batch=1, eps_low=0.2,
-                               eps_high=0.28, beta=0.0, agg="token", no_std=False, lr=1e-3, warmup=0, decay_frac=0.0,
-                               ckpt_every=DEMO["grpo_steps"] // 2)
+                               eps_high=0.28, beta=0.04, agg="sequence", no_std=False, lr=3e-4, warmup=2,
+                               decay_frac=0.0, ckpt_every=DEMO["grpo_steps"] // 2)
     out["grpo"] = cmd_train(train)
-    ev = argparse.Namespace(**common, models="warmstart,swap", harness="canonical,unseen",
+    ev = argparse.Namespace(**common, models="warmstart,grpo", harness="canonical,unseen",
                             n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)
     report = cmd_eval(ev)
     out["eval"] = {m: {h: report["models"][m][h]["success"] for h in report["harnesses"]} for m in report["models"]}
-    out["plot"] = cmd_plot(argparse.Namespace(root=str(root), runs="swap", out=None))["plot"]
+    out["plot"] = cmd_plot(argparse.Namespace(root=str(root), runs="grpo", out=None, eval=None))["plot"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
 
@@ -234,7 +268,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("rl", help="agentic RL: GRPO on verified AgentENV rewards",
                               description=__doc__.splitlines()[0])
     p.add_argument("--demo", action="store_true",
-                   help="bounded end-to-end run: warm start, GRPO with swapped harnesses, held-out eval, plot")
+                   help="bounded end-to-end run: warm start, GRPO with swapped dialects, held-out eval, plot")
     p.add_argument("--root", default=None, help="experiment directory for --demo (default runs/rl/demo)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -301,10 +335,22 @@ def register(subparsers) -> None:
     e.add_argument("-q", "--quiet", action="store_true")
     e.set_defaults(func=lambda a: _run(cmd_eval, a))
 
+    it = sub.add_parser("intent", help="does the policy read the instruction? teacher-forced command choice per kind")
+    it.add_argument("--root", default=DEFAULT_ROOT)
+    it.add_argument("--models", default="warmstart", help="comma-separated stages/runs under ROOT")
+    it.add_argument("--n", type=int, default=48, help="demonstrations (drawn from ROOT/demos.jsonl)")
+    it.add_argument("--dialect", default=None, help="only demonstrations in this dialect (e.g. react)")
+    it.add_argument("--seed", type=int, default=0)
+    it.add_argument("--threads", type=int, default=0)
+    it.add_argument("--out", default=None, help="report path (default ROOT/intent.json)")
+    it.add_argument("--json", action="store_true")
+    it.set_defaults(func=lambda a: _run(cmd_intent, a))
+
     pl = sub.add_parser("plot", help="mean verified reward over GRPO steps (and held-out success, if evaluated)")
     pl.add_argument("--root", default=DEFAULT_ROOT)
     pl.add_argument("--runs", default="swap,fixed")
     pl.add_argument("--out", default=None, help="PNG path (default ROOT/reward.png)")
+    pl.add_argument("--eval", default=None, help="eval report for the right panel (default ROOT/eval.json, if any)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=lambda a: _run(cmd_plot, a))
 

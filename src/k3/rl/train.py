@@ -319,3 +319,50 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def write_json(path, obj) -> None:
     atomic_write_json(Path(path), obj)
+
+
+# ---------------------------------------------------------------------------------------- tool intent
+def command_position(ids: Sequence[int], policy_mask: Sequence[bool], tokenizer, kind: str) -> int | None:
+    """Index of the first token of `kind`'s command inside the policy's own tokens (its first call), or
+    None when the tokens do not contain it."""
+    from k3.rl.family import COMMANDS
+    head = tokenizer.encode(COMMANDS[kind])[:2]
+    for i in range(len(ids) - len(head) + 1):
+        if policy_mask[i] and list(ids[i:i + len(head)]) == head:
+            return i
+    return None
+
+
+def command_choice(model, tokenizer, demos: Sequence[dict]) -> dict:
+    """Which command the policy starts to write, teacher-forced on demonstrations: at the first token of the
+    demonstrated command, the probability of each kind's command's first token, averaged over the
+    demonstrations of each task kind -> {"p": {task kind: {command kind: p}}, "demos": n, "skipped": n}.
+    A policy that reads the instruction puts its mass on the diagonal; one blind to it has equal rows
+    (and then, with the kinds balanced, an expected reward of at most 1/3 whatever its preferences)."""
+    from k3.rl.family import COMMANDS
+    first = {k: tokenizer.encode(c)[0] for k, c in COMMANDS.items()}
+    if len(set(first.values())) < len(first):
+        raise ValueError("the commands of the kinds start with the same token; command_choice cannot tell them apart")
+    sums: dict[str, dict[str, float]] = {}
+    counts: dict[str, int] = {}
+    skipped = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for d in demos:
+                kind = d["task_id"].split("-")[1]
+                ids, mask = episode_tokens(d["transcript"], tokenizer)
+                pos = command_position(ids, mask, tokenizer, kind) if kind in COMMANDS else None
+                if pos is None or pos == 0:
+                    skipped += 1
+                    continue
+                p = torch.softmax(model(torch.tensor([ids[:pos]]))[0, -1].float(), -1)
+                row = sums.setdefault(kind, dict.fromkeys(first, 0.0))
+                for k, t in first.items():
+                    row[k] += float(p[t])
+                counts[kind] = counts.get(kind, 0) + 1
+    finally:
+        model.train(was_training)
+    return {"p": {k: {c: v / counts[k] for c, v in row.items()} for k, row in sorted(sums.items())},
+            "demos": sum(counts.values()), "skipped": skipped}
