@@ -1,27 +1,39 @@
 """PTQ vs QAT: does training through the MX fake quant recover the loss that quantizing afterwards costs?
 
-    python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--settings k3,harsh,harshest]
+    python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
+                             [--settings k3,harshest,harshest_head] [--ptq-only harsh]
 
-Same data, seed, schedule and token budget for every run, on the tokenized standard-library corpus
-(runs/data, made here if missing):
-  fp32   train in full precision -> validation loss
-  PTQ    the fp32 weights loaded into a model built with the qat config (nothing retrained) -> val loss
-  QAT    train from scratch with the qat config (fake quant + straight-through estimator) -> val loss
-  fp32'  the fp32 run again with seed + 1: the seed-to-seed spread that any QAT-vs-fp32 comparison carries
-recovery = (PTQ - QAT) / (PTQ - fp32): the fraction of the PTQ degradation that QAT wins back (target >= 0.8);
-it means something only where PTQ - fp32 is well above the seed spread.
+Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
+here if missing). For each seed:
+  fp32   train in full precision with that seed -> validation loss
+  PTQ    that seed's fp32 weights loaded into a model built with the setting (nothing retrained) -> val loss;
+         PTQ - fp32 is paired: same weights, no training noise
+  QAT    train from scratch with the setting (fake quant + straight-through estimator), same seed -> val loss
+Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
+recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
+back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
+than 2 standard errors above 0; otherwise "inconclusive" with the reason. QAT - fp32 carries training noise
+(two trainings), PTQ - fp32 does not, so a recovery is only as good as qat_gap_sem is small against the
+degradation: recovery_low is the recovery with the QAT gap moved up by 2 standard errors.
+The seed spread is the mean |fp32(seed i) - fp32(seed j)| over seed pairs (one seed: a second fp32 run with
+seed + 1, unless --no-seed-spread).
 Settings: 'k3' = routed-expert weights MXFP4 + their input activations MXFP8 (K3's); 'harsh' = that plus every
-other linear layer (weights MXFP4, inputs MXFP8); 'harshest' = all of those with MXFP4 activations (W4A4).
+other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all of those with MXFP4 activations
+(W4A4); 'harshest_head' = harshest with the output head W4A4 too, i.e. literally every linear layer.
+--ptq-only settings get the PTQ evaluation only (cheap: no training), to show how much quantizing costs.
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
-Writes runs/bench/qat.json atomically.
+Writes runs/bench/qat.json atomically, after every seed (a stopped run leaves the seeds it finished).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,15 +44,20 @@ from k3.config import PRESETS, K3Config, get_config
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data
 from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
+from k3.quant.fake import QATLinear
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "bench" / "qat.json"
+# name -> (config.qat, format of the output head or None); the head is outside config.qat's reach (the library
+# keeps it full precision), so this benchmark wraps it in a QATLinear itself
 SETTINGS = {
-    "k3": {"expert_weights": "mxfp4", "activations": "mxfp8"},
-    "harsh": {"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"},
-    "harshest": {"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"},
+    "k3": ({"expert_weights": "mxfp4", "activations": "mxfp8"}, None),
+    "harsh": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, None),
+    "harshest": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, None),
+    "harshest_head": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, "mxfp4"),
 }
+RECOVERY_TARGET = 0.8
 # mini's structure (KDA + MLA, block AttnRes, LatentMoE with a shared expert, 8192-token vocab), smaller widths
 MINI_S = dict(name="mini-s", d_model=128, n_layers=4, kda_heads=2, kda_head_dim=64, kda_gate_rank=32, mla_heads=2,
               mla_q_lora_rank=64, mla_kv_lora_rank=64, mla_qk_head_dim=64, mla_v_head_dim=64, attnres_sources=3,
@@ -55,18 +72,30 @@ def base_config(preset: str, quick: bool = False):
     return get_config(preset)
 
 
-def train_run(config, files, args, label: str, seed: int | None = None) -> tuple[torch.nn.Module, dict]:
+def quantize_head(model: K3Model, setting: str) -> K3Model:
+    """Wrap model.head in a QATLinear sharing its weight when the setting quantizes the head (inputs in the
+    setting's activation format); the optimizer, built before, holds the same Parameter, so training goes on."""
+    qat, head = SETTINGS[setting]
+    if head is not None:
+        model.head = QATLinear(model.head, head, qat.get("activations"))
+    return model
+
+
+def train_run(config, files, args, label: str, seed: int, setting: str | None = None) -> tuple[K3Model, dict]:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                     warmup_steps=args.warmup_steps, seed=args.seed if seed is None else seed, measure_mfu=False,
-                     record_attnres=False)
+                     warmup_steps=args.warmup_steps, seed=seed, measure_mfu=False, record_attnres=False)
+    if setting is not None:
+        config = config.replace(qat=SETTINGS[setting][0])
     trainer = Trainer(config, tc, files.train, None)  # no periodic eval: one full-split eval below
+    if setting is not None:
+        quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
     t0 = time.perf_counter()
     result = trainer.fit()
     train_s = time.perf_counter() - t0
     rec = {"train_loss_last10": sum(result.losses[-10:]) / len(result.losses[-10:]), "tokens": result.tokens,
            "train_s": round(train_s, 1), "tokens_per_s": round(result.tokens / train_s, 1)}
     rec.update(val(trainer.model, files, args))
-    print(f"{label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
+    print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
     return trainer.model, rec
 
 
@@ -76,19 +105,48 @@ def val(model, files, args) -> dict:
     return {"val_loss": loss, "eval_s": round(time.perf_counter() - t0, 1)}
 
 
-def ptq(fp32_model, qat: dict, files, args) -> dict:
-    """PTQ exactly as defined: build the model with the qat config, load the fp32-trained weights, evaluate."""
-    model = K3Model(fp32_model.config.replace(qat=qat))
+def ptq(fp32_model, setting: str, files, args) -> dict:
+    """PTQ exactly as defined: build the model with the setting, load the fp32-trained weights, evaluate."""
+    model = K3Model(fp32_model.config.replace(qat=SETTINGS[setting][0]))
     model.load_state_dict(fp32_model.state_dict())
-    return val(model, files, args)
+    return val(quantize_head(model, setting), files, args)
 
 
-def compare(fp32: dict, ptq_rec: dict, qat_rec: dict, spread: float | None) -> dict:
-    degradation = ptq_rec["val_loss"] - fp32["val_loss"]
-    gap = qat_rec["val_loss"] - fp32["val_loss"]
-    return {"ptq_degradation": degradation, "qat_gap": gap,
-            "recovery": (ptq_rec["val_loss"] - qat_rec["val_loss"]) / degradation if degradation > 0 else None,
-            "ptq_degradation_over_seed_spread": degradation / spread if spread else None}
+def mean_std_sem(xs: list[float]) -> tuple[float, float | None, float | None]:
+    """Mean, sample standard deviation and standard error of the mean (None for one value)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, None, None
+    s = statistics.stdev(xs)
+    return m, s, s / math.sqrt(len(xs))
+
+
+def summarize(degradations: list[float], gaps: list[float] | None, spread: float | None) -> dict:
+    """Per-seed PTQ - fp32 (paired) and QAT - fp32 (paired by seed) -> means, stds, SEMs, recovery, verdict.
+
+    gaps None: a PTQ-only setting (no recovery, no verdict on it)."""
+    d_mean, d_std, d_sem = mean_std_sem(degradations)
+    out = {"ptq_degradation": d_mean, "ptq_degradation_std": d_std, "ptq_degradation_sem": d_sem,
+           "ptq_degradation_per_seed": degradations,
+           "ptq_degradation_over_seed_spread": d_mean / spread if spread else None,
+           "ptq_degradation_z": d_mean / d_sem if d_sem else None}
+    if gaps is None:
+        return out
+    g_mean, g_std, g_sem = mean_std_sem(gaps)
+    recovery = (d_mean - g_mean) / d_mean if d_mean > 0 else None
+    low = (d_mean - g_mean - 2 * g_sem) / d_mean if d_mean > 0 and g_sem is not None else None
+    if d_sem is None:
+        verdict = "inconclusive: one seed gives no standard error; run --seeds 0,1,2"
+    elif not d_mean > 2 * d_sem:
+        verdict = (f"inconclusive: PTQ degradation {d_mean:.4g} is not more than 2 standard errors "
+                   f"(2 x {d_sem:.2g}) above 0")
+    elif recovery < RECOVERY_TARGET:
+        verdict = f"inconclusive: mean recovery {recovery:.2f} < {RECOVERY_TARGET}"
+    else:
+        verdict = "met"
+    out.update({"qat_gap": g_mean, "qat_gap_std": g_std, "qat_gap_sem": g_sem, "qat_gap_per_seed": gaps,
+                "recovery": recovery, "recovery_low": low, "verdict": verdict})
+    return out
 
 
 def machine() -> dict:
@@ -96,6 +154,13 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": sys.version.split()[0],
             "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def names_of(spec: str, flag: str) -> list[str]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if set(names) - set(SETTINGS):
+        raise SystemExit(f"{flag} {spec!r}: use a comma-separated subset of {', '.join(SETTINGS)}")
+    return names
 
 
 def main(argv=None) -> dict:
@@ -108,10 +173,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default 0,1,2)")
     ap.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the whole split)")
-    ap.add_argument("--settings", default="k3,harsh,harshest", help=f"comma-separated, of {', '.join(SETTINGS)}")
-    ap.add_argument("--no-seed-spread", action="store_true", help="skip the second fp32 run (seed + 1)")
+    ap.add_argument("--settings", default="k3,harshest,harshest_head",
+                    help=f"PTQ + QAT, comma-separated, of {', '.join(SETTINGS)}")
+    ap.add_argument("--ptq-only", default="harsh", help="settings given the PTQ evaluation only ('' for none)")
+    ap.add_argument("--no-seed-spread", action="store_true", help="one seed: skip the second fp32 run (seed + 1)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=str(OUT))
@@ -121,65 +188,112 @@ def main(argv=None) -> dict:
         args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
         args.eval_batches = args.eval_batches or 2
     args.steps = args.steps or 200
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: use comma-separated integers, e.g. --seeds 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {args.seeds!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
+    names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
+    ptq_names = [n for n in ptq_names if n not in names]
+    if not names and not ptq_names:
+        raise SystemExit("--settings and --ptq-only are both empty: name at least one setting")
     config = base_config(args.preset, args.quick)
     # runs/data holds the default vocabulary; another vocabulary gets its own directory, never a rebuild of it
     data = args.data if config.vocab_size == DEFAULT_VOCAB_SIZE else f"{args.data}-v{config.vocab_size}"
     files = prepare_data(data, vocab_size=config.vocab_size)
-    names = [n.strip() for n in args.settings.split(",") if n.strip()]
-    if not names or set(names) - set(SETTINGS):
-        raise SystemExit(f"--settings {args.settings!r}: use a comma-separated subset of {', '.join(SETTINGS)}")
     t_start = time.perf_counter()
     machine_before = machine()
-    runs = {}
-    fp32_model, runs["fp32"] = train_run(config, files, args, "fp32")
-    spread = None
-    if not args.no_seed_spread:
-        _, runs["fp32_seed+1"] = train_run(config, files, args, "fp32_seed+1", seed=args.seed + 1)
-        spread = abs(runs["fp32_seed+1"]["val_loss"] - runs["fp32"]["val_loss"])
-    results = {}
-    for name in names:
-        qat = SETTINGS[name]
-        runs[f"ptq_{name}"] = ptq(fp32_model, qat, files, args)
-        print(f"ptq_{name}: {json.dumps(runs[f'ptq_{name}'])}", file=sys.stderr, flush=True)
-        _, runs[f"qat_{name}"] = train_run(config.replace(qat=qat), files, args, f"qat_{name}")
-        results[name] = {"qat": qat, **compare(runs["fp32"], runs[f"ptq_{name}"], runs[f"qat_{name}"], spread)}
+    runs: dict[str, dict] = {}
+    result: dict = {}
+    for seed in seeds:
+        r = runs[str(seed)] = {}
+        fp32_model, r["fp32"] = train_run(config, files, args, "fp32", seed)
+        for name in ptq_names + names:
+            r[f"ptq_{name}"] = ptq(fp32_model, name, files, args)
+            print(f"seed {seed} ptq_{name}: {json.dumps(r[f'ptq_{name}'])}", file=sys.stderr, flush=True)
+        del fp32_model
+        if len(seeds) == 1 and not args.no_seed_spread:
+            _, r["fp32_seed+1"] = train_run(config, files, args, "fp32_seed+1", seed + 1)
+        for name in names:
+            _, r[f"qat_{name}"] = train_run(config, files, args, f"qat_{name}", seed, setting=name)
+        result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before)
+        atomic_write_json(Path(args.out), result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result, names, ptq_names)
+        print(f"wrote {args.out}")
+    return result
+
+
+def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before) -> dict:
+    """The JSON record of the seeds finished so far."""
+    done = list(runs)
+    fp32 = [runs[s]["fp32"]["val_loss"] for s in done]
+    if len(done) > 1:
+        spread = statistics.fmean(abs(a - b) for a, b in itertools.combinations(fp32, 2))
+    elif "fp32_seed+1" in runs[done[0]]:
+        spread = abs(runs[done[0]]["fp32_seed+1"]["val_loss"] - fp32[0])
+    else:
+        spread = None
+    settings = {}
+    for name in names + ptq_names:
+        deg = [runs[s][f"ptq_{name}"]["val_loss"] - runs[s]["fp32"]["val_loss"] for s in done]
+        gaps = [runs[s][f"qat_{name}"]["val_loss"] - runs[s]["fp32"]["val_loss"] for s in done] \
+            if name in names else None
+        qat, head = SETTINGS[name]
+        settings[name] = {"qat": qat, "head": head, "trained": name in names, **summarize(deg, gaps, spread)}
+    fp32_mean, fp32_std, _ = mean_std_sem(fp32)
     val_windows = (files.val.n_tokens - 1) // args.seq_len
-    result = {
+    return {
         "benchmark": "qat",
         "quick": args.quick,
         "model": config.name,
         "config": config.to_dict(),
-        "params": sum(p.numel() for p in fp32_model.parameters()),
+        "params": sum(p.numel() for p in K3Model(config).parameters()),
         "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
-                   "warmup_steps": args.warmup_steps, "seed": args.seed, "optimizer": "adamw"},
+                   "warmup_steps": args.warmup_steps, "optimizer": "adamw"},
+        "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,
         "runs": runs,
-        "settings": results,
+        "settings": settings,
+        "fp32_val_loss_mean": fp32_mean,
+        "fp32_val_loss_std": fp32_std,
         "seed_spread": spread,
-        "definitions": {"recovery": "(PTQ val loss - QAT val loss) / (PTQ val loss - fp32 val loss)",
-                        "ptq_degradation": "PTQ val loss - fp32 val loss, nats/token",
-                        "qat_gap": "QAT val loss - fp32 val loss, nats/token",
-                        "seed_spread": "|fp32 val loss (seed + 1) - fp32 val loss (seed)|: training noise"},
+        "definitions": {
+            "ptq_degradation": "mean over seeds of PTQ val loss - fp32 val loss (same weights), nats/token",
+            "qat_gap": "mean over seeds of QAT val loss - fp32 val loss (same seed), nats/token",
+            "recovery": "(ptq_degradation - qat_gap) / ptq_degradation: from the means",
+            "recovery_low": "recovery with qat_gap + 2 * qat_gap_sem in place of qat_gap",
+            "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",
+            "_std / _sem": "sample standard deviation over seeds / that divided by sqrt(number of seeds)",
+            "seed_spread": "mean |fp32 val loss (seed i) - fp32 val loss (seed j)| over seed pairs (one seed: "
+                           "against seed + 1): training noise"},
         "command": "python benchmarks/qat.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "total_s": round(time.perf_counter() - t_start, 1),
         "machine": machine_before,
         "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
-    atomic_write_json(Path(args.out), result)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{config.name}, {result['budget']['tokens']:,} training tokens per run, "
-              f"{result['val_tokens']:,} validation tokens")
-        print(f"fp32 val loss {runs['fp32']['val_loss']:.4f}" + (f", seed-to-seed spread {spread:.4f}" if spread
-                                                                  is not None else ""))
-        for name, r in results.items():
+
+
+def print_table(result: dict, names: list[str], ptq_names: list[str]) -> None:
+    def pm(m, s):
+        return f"{m:+.4f}" + ("" if s is None else f" ± {s:.4f}")
+
+    print(f"{result['model']}, {result['budget']['tokens']:,} training tokens per run, "
+          f"{result['val_tokens']:,} validation tokens, seeds {result['seeds']}")
+    spread = result["seed_spread"]
+    print(f"fp32 val loss {pm(result['fp32_val_loss_mean'], result['fp32_val_loss_std'])[1:]}"
+          + ("" if spread is None else f", seed spread {spread:.4f}"))
+    for name in names + ptq_names:
+        r = result["settings"][name]
+        line = f"{name}: PTQ - fp32 {pm(r['ptq_degradation'], r['ptq_degradation_std'])}"
+        if r["trained"]:
             rec = "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
-            print(f"{name}: PTQ {runs[f'ptq_{name}']['val_loss']:.4f} (+{r['ptq_degradation']:.4f}), "
-                  f"QAT {runs[f'qat_{name}']['val_loss']:.4f} (+{r['qat_gap']:.4f}), recovery {rec}")
-        print(f"wrote {args.out}")
-    return result
+            line += f", QAT - fp32 {pm(r['qat_gap'], r['qat_gap_std'])}, recovery {rec}, {r['verdict']}"
+        print(line)
 
 
 if __name__ == "__main__":

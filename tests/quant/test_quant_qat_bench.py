@@ -1,0 +1,77 @@
+"""benchmarks/qat.py: the per-seed statistics and verdict, and a --quick smoke run of the whole script."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def qat_bench():
+    spec = importlib.util.spec_from_file_location("qat_bench", ROOT / "benchmarks" / "qat.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summarize_means_and_verdicts(qat_bench):
+    s = qat_bench.summarize([0.10, 0.12, 0.11], [0.01, 0.00, 0.02], spread=0.05)
+    assert s["ptq_degradation"] == pytest.approx(0.11) and s["qat_gap"] == pytest.approx(0.01)
+    assert s["ptq_degradation_std"] == pytest.approx(0.01)
+    assert s["ptq_degradation_sem"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert s["recovery"] == pytest.approx(0.10 / 0.11) and s["verdict"] == "met"
+    assert s["recovery_low"] == pytest.approx((0.10 - 2 * 0.01 / 3 ** 0.5) / 0.11)
+    assert s["ptq_degradation_over_seed_spread"] == pytest.approx(2.2)
+    # large recovery but a degradation within 2 standard errors of 0: not met
+    noisy = qat_bench.summarize([0.02, -0.01, 0.005], [-0.05, 0.0, 0.01], spread=0.05)
+    assert noisy["recovery"] > 0.8 and noisy["verdict"].startswith("inconclusive")
+    assert "standard error" in noisy["verdict"]
+    # clear degradation, too little recovered
+    low = qat_bench.summarize([0.10, 0.12, 0.14], [0.05, 0.06, 0.07], spread=0.05)
+    assert low["recovery"] == pytest.approx(0.5) and "recovery 0.50" in low["verdict"]
+    assert "one seed" in qat_bench.summarize([0.1], [0.0], None)["verdict"]
+    assert "verdict" not in qat_bench.summarize([0.1, 0.2], None, None)  # PTQ-only setting
+
+
+def test_quick_run_writes_paired_per_seed_records(qat_bench, tmp_path, capsys):
+    out = tmp_path / "qat.json"
+    r = qat_bench.main(["--quick", "--json", "--seeds", "0,1", "--settings", "k3,harshest_head",
+                        "--ptq-only", "harsh", "--out", str(out)])
+    assert json.loads(out.read_text())["settings"].keys() == r["settings"].keys() == {"k3", "harshest_head", "harsh"}
+    assert r["seeds"] == [0, 1] and set(r["runs"]) == {"0", "1"}
+    for name in ("k3", "harshest_head"):
+        s = r["settings"][name]
+        per_seed = [r["runs"][k][f"ptq_{name}"]["val_loss"] - r["runs"][k]["fp32"]["val_loss"] for k in ("0", "1")]
+        assert s["ptq_degradation_per_seed"] == pytest.approx(per_seed)
+        assert s["ptq_degradation"] == pytest.approx(sum(per_seed) / 2) and "verdict" in s
+    assert "qat_harsh" not in r["runs"]["0"] and "verdict" not in r["settings"]["harsh"]
+    fp32 = [r["runs"][k]["fp32"]["val_loss"] for k in ("0", "1")]
+    assert fp32[0] != fp32[1] and r["seed_spread"] == pytest.approx(abs(fp32[0] - fp32[1]))
+    assert r["settings"]["harshest_head"]["head"] == "mxfp4" and r["settings"]["k3"]["head"] is None
+    assert json.loads(capsys.readouterr().out)["benchmark"] == "qat"
+
+
+def test_bad_seeds_are_refused(qat_bench, tmp_path):
+    with pytest.raises(SystemExit, match="--seeds"):
+        qat_bench.main(["--quick", "--seeds", "0,x", "--out", str(tmp_path / "q.json")])
+    with pytest.raises(SystemExit, match="--settings"):
+        qat_bench.main(["--quick", "--settings", "k4", "--out", str(tmp_path / "q.json")])
+
+
+def test_quantize_head_shares_the_weight_and_quantizes(qat_bench):
+    import torch
+
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+    from k3.quant.fake import QATLinear
+
+    torch.manual_seed(0)
+    model = K3Model(get_config("tiny"))
+    w, x = model.head.weight, torch.randint(0, 100, (1, 8))
+    ref = model(x)
+    assert qat_bench.quantize_head(model, "harshest") is model and type(model.head) is torch.nn.Linear
+    qat_bench.quantize_head(model, "harshest_head")
+    assert isinstance(model.head, QATLinear) and model.head.weight is w and model.head.act_format == "mxfp4"
+    assert not torch.allclose(model(x), ref, atol=1e-4)
