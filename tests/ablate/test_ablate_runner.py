@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 import k3.ablate.runner as runner
 from k3.ablate.report import aggregate, write_report
@@ -19,11 +18,8 @@ SMOKE = Scale("smoke", "tiny", dict(vocab_size=512), steps=3, batch_size=2, seq_
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

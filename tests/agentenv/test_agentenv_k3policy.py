@@ -18,11 +18,8 @@ MODEL = "k3-agent-test"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

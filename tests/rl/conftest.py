@@ -4,12 +4,8 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add synchronisation on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

@@ -21,11 +21,8 @@ VOCAB = 512  # tiny's vocab_size
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
