@@ -7,12 +7,8 @@ from k3.model.transformer import K3Model
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads on a shared machine; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 def make_tiny_model(seed: int = 0, **overrides) -> K3Model:

@@ -20,11 +20,6 @@ from k3.train.checkpoint import save_checkpoint  # noqa: E402
 VOCAB = 512  # tiny's vocab_size
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """One intra-op thread for every test here (tests/conftest.py)."""
-
-
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     texts = [t for _, t in open_corpus().documents("train", max_bytes=100_000)]

@@ -21,14 +21,6 @@ def _bench(name: str):
     return mod
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def predicted_bytes(cfg, tokens: int, batch: int = 1) -> int:
     """fp32 cache from the config: MLA latent tokens x kv_lora_rank per MLA layer, plus per KDA layer the
     recurrent state H x K x V (V = K) and the short-conv tail over q, k, v: 3HK x (conv_size - 1)."""

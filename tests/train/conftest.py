@@ -3,13 +3,8 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """The train tests run tiny models, where intra-op threads only add synchronisation (and on a shared
-    2-core machine, spinning); one thread keeps them fast. Restored afterwards for other tests."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """One intra-op thread for every test here (tests/conftest.py)."""
 
 
 class FakeData:
