@@ -99,6 +99,37 @@ def test_chunk_sizes_agree(chunk_size, sub):
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
 
 
+def test_auto_sub_chunk_size_follows_the_decay():
+    """Typical gates get the largest sub-chunks, strong decay small ones (no exact fallback needed), and any
+    choice computes the same thing: with strong decay at sub-chunk 16 the exact diagonal blocks run."""
+    from k3.ops.kda.chunk import _auto_sub_chunk_size
+
+    typical = F.logsigmoid(torch.randn(1, 200, 2, 16))                      # ~ -0.8 per step
+    assert _auto_sub_chunk_size(typical, 64, 30.0) == 32
+    assert _auto_sub_chunk_size(-5 * torch.rand(1, 200, 2, 16), 64, 30.0) == 8
+    assert _auto_sub_chunk_size(torch.full((1, 5, 1, 4), -40.0), 64, 30.0) == 2  # nothing avoids the fallback
+    assert _auto_sub_chunk_size(typical, 16, 30.0) == 8                       # sub-chunks stay below the chunk
+    inputs = make_inputs(T=100, decay="strong")
+    w_o, w_s = torch.randn(2, 100, 2, 24), torch.randn(2, 2, 16, 24)
+    o_ref, s_ref, g_ref = run_with_grads(naive_recurrent_kda, inputs, w_o, w_s)
+    for sub in (16, 32, None):
+        o, s, grads = run_with_grads(chunk_kda, inputs, w_o, w_s, sub_chunk_size=sub)
+        assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL, sub
+        for x, gr, gref in zip(NAMES, grads, g_ref):
+            assert rel_err(gr, gref) < TOL, (sub, x)
+
+
+def test_chunk_no_grad_loop_equals_autograd_loop():
+    """Without autograd the sequential part writes into preallocated buffers; it must compute bit for bit
+    what the autograd path (lists + stack) computes."""
+    q, k, v, g, beta, h0 = make_inputs(T=150, decay="mild")
+    with torch.no_grad():
+        o1, s1 = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o2, s2 = chunk_kda(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+    assert o2.requires_grad and torch.equal(o1, o2.detach()) and torch.equal(s1, s2.detach())
+
+
 @pytest.mark.parametrize("decay", ["mild", "spiky"])
 def test_chunk_gradcheck_fp64(decay):
     """Finite differences through the whole chunk path, both the centred and the exact-diagonal branch."""

@@ -30,11 +30,35 @@ import torch
 import torch.nn.functional as F
 
 
-def _sub_chunk_size(C: int) -> int:
-    for c in (16, 8, 4, 2):
-        if C % c == 0 and c < C:
+def _sub_chunk_candidates(C: int) -> list[int]:
+    return [c for c in (32, 16, 8, 4, 2) if C % c == 0 and c < C] or [C]
+
+
+def _auto_sub_chunk_size(g: torch.Tensor, C: int, max_exponent: float) -> int:
+    """The largest sub-chunk size whose every half (c/2 tokens, aligned as the kernel cuts them) decays by at
+    most max_exponent in every channel, so that no sub-chunk needs the exact (slow) diagonal blocks; the
+    smallest candidate when none does. Larger sub-chunks mean fewer, larger matmuls (typical gates,
+    logsigmoid of a unit normal, give c = 32); strong decay (g ~ -2.5 per token) picks c = 8, where the exact
+    fallback at c = 16 would cost several times the whole kernel. Only a speed choice: the kernel checks
+    every sub-chunk itself and stays exact whatever this returns."""
+    cands = _sub_chunk_candidates(C)
+    h = max(cands[-1] // 2, 1)
+    B, T, H, K = g.shape
+    Tp = -(-T // C) * C                                                       # padded with g = 0, as the kernel
+    x = g.detach()
+    if Tp != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, Tp - T))
+    w = x.reshape(B, Tp // h, h, H, K).sum(2)                                 # decay of every h-token window
+    worst = {}
+    while True:
+        worst[2 * h] = float(-w.amin()) if w.numel() else 0.0
+        if 2 * h >= cands[0] or w.shape[1] % 2:
+            break
+        w, h = w[:, 0::2] + w[:, 1::2], 2 * h                                   # windows of twice the length
+    for c in cands:
+        if worst.get(c, float("inf")) <= max_exponent:
             return c
-    return C
+    return cands[-1]
 
 
 def _exact_diag_blocks(g: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -49,19 +73,20 @@ def _exact_diag_blocks(g: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> tor
 
 
 def _fill_chunks(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Copy x [B, T, H, D] into out [B, H, N, S, c, D] (chunk n, sub-chunk s, token j = time n*S*c + s*c + j;
-    zeros past T) with one pass over x; out may be a strided view. Returns out."""
-    B, H, N, S, c, D = out.shape
+    """Copy x [B, T, H, D] into out [N, B, H, S, c, D] (chunk n, sub-chunk s, token j = time n*S*c + s*c + j;
+    zeros past T) with one pass over x; out may be a strided view of uninitialised memory. Chunk-major, so
+    that every chunk's slice in the sequential part is contiguous. Returns out."""
+    N, B, H, S, c, D = out.shape
     C, T = S * c, x.shape[1]
     full = T // C
 
     def chunked(y: torch.Tensor, n: int) -> torch.Tensor:
-        return y.reshape(B, n, S, c, H, D).permute(0, 4, 1, 2, 3, 5)
+        return y.reshape(B, n, S, c, H, D).permute(1, 0, 4, 2, 3, 5)
 
     if full:
-        out[:, :, :full] = chunked(x[:, :full * C], full)
+        out[:full] = chunked(x[:, :full * C], full)
     if T % C:
-        out[:, :, full:] = chunked(F.pad(x[:, full * C:], (0, 0, 0, 0, 0, C - T % C)), 1)
+        out[full:] = chunked(F.pad(x[:, full * C:], (0, 0, 0, 0, 0, C - T % C)), 1)
     return out
 
 
@@ -82,11 +107,12 @@ def chunk_kda(
     initial_state: [B, H, K, V]. Returns o: [B, T, H, V] (dtype of v) and the final state [B, H, K, V]
     (fp32, or fp64 for fp64 inputs) if `output_final_state`, else None. Any T works: the tail chunk is
     padded with g = 0, beta = 0 tokens, which leave the state untouched. Differentiable via autograd.
-    `sub_chunk_size` (default 16) and `max_exponent` tune the safe factorisation (module docstring)."""
+    `sub_chunk_size` (default: chosen from the gates, `_auto_sub_chunk_size`) and `max_exponent` tune the
+    safe factorisation (module docstring)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    c = sub_chunk_size or _sub_chunk_size(C)
+    c = sub_chunk_size or _auto_sub_chunk_size(g, C, max_exponent)
     if C % c:
         raise ValueError(f"sub_chunk_size {c} must divide chunk_size {C}")
     S = C // c
@@ -95,17 +121,18 @@ def chunk_kda(
     dtype = torch.promote_types(q.dtype, torch.float32)                      # fp32 at least; fp64 stays fp64
     N = max(1, -(-T // C))
 
-    def zeros(*shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype, device=q.device)
+    def empty(*shape: int) -> torch.Tensor:  # every element is written by _fill_chunks (padding included)
+        return torch.empty(*shape, dtype=dtype, device=q.device)
 
-    # chunked, zero-padded layouts; k and q of a sub-chunk sit side by side so one matmul serves both
-    kq = zeros(B, H, N, S, 2, c, K)
+    # chunk-major, zero-padded layouts [N, B, H, ...]; k and q of a sub-chunk sit side by side so one matmul
+    # serves both
+    kq = empty(N, B, H, S, 2, c, K)
     _fill_chunks(kq[..., 0, :, :], k.to(dtype))
     _fill_chunks(kq[..., 1, :, :], q.to(dtype))
-    ks, qs = kq.unbind(-3)                                                    # [B, H, N, S, c, K]
-    g = _fill_chunks(zeros(B, H, N, S, c, K), g.to(dtype))
-    v = _fill_chunks(zeros(B, H, N, S, c, V), v.to(dtype)).flatten(-3, -2)   # [B, H, N, C, V]
-    beta = _fill_chunks(zeros(B, H, N, S, c, 1), beta.to(dtype).unsqueeze(-1)).flatten(-3, -2)  # [B, H, N, C, 1]
+    ks, qs = kq.unbind(-3)                                                    # [N, B, H, S, c, K]
+    g = _fill_chunks(empty(N, B, H, S, c, K), g.to(dtype))
+    v = _fill_chunks(empty(N, B, H, S, c, V), v.to(dtype)).flatten(-3, -2)   # [N, B, H, C, V]
+    beta = _fill_chunks(empty(N, B, H, S, c, 1), beta.to(dtype).unsqueeze(-1)).flatten(-3, -2)  # [N, B, H, C, 1]
 
     # cumulative log-decays. Inside a sub-chunk: prefix sums as one matmul with 0/1 matrices, giving Gamma
     # since the sub-chunk start (Gl) and the decay still to come before its end (tot - Gl, summed directly
@@ -138,7 +165,7 @@ def chunk_kda(
         cols_idx = idx[-1][:, None] * c + torch.arange(c, device=q.device)   # [n, c]
         n = cols_idx.shape[0]
         A = A.index_put(idx, A[idx].scatter(-1, cols_idx[:, None, None, :].expand(n, 2, c, c), exact))
-    A = A.transpose(-4, -3).reshape(B, H, N, 2, C, C)
+    A = A.transpose(-4, -3).reshape(N, B, H, 2, C, C)
     keep = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     A_kk, A_qk = A.masked_fill(~torch.stack([keep.tril(-1), keep]), 0.0).unbind(-3)
 
@@ -146,21 +173,33 @@ def chunk_kda(
     eye = torch.eye(C, dtype=dtype, device=q.device)
     T_inv = torch.linalg.solve_triangular(eye + A_kk * beta, eye, upper=False, unitriangular=True)
     T_inv = T_inv * beta.transpose(-1, -2)                                    # T^-1 Diag(beta)
-    U = (T_inv @ v).flatten(0, 1)                                             # [B*H, N, C, V]
-    W = (T_inv @ kG).flatten(0, 1)                                            # [B*H, N, C, K]
+    U = (T_inv @ v).flatten(1, 2)                                             # [N, B*H, C, V]
+    W = (T_inv @ kG).flatten(1, 2)                                            # [N, B*H, C, K]
 
-    # the only sequential part: Delta_n = U_n - W_n S_n, S_{n+1} = Diag(exp Gamma_C) S_n + K_end^T Delta_n
-    k_end = k_end.transpose(-1, -2).flatten(0, 1)                             # [B*H, N, K, C]
-    decay = G_end[..., -1, :].to(dtype).exp().unsqueeze(-1).flatten(0, 1)     # [B*H, N, K, 1]
-    S_ = zeros(B * H, K, V) if initial_state is None else initial_state.to(dtype).flatten(0, 1)
-    states, deltas = [], []
-    for n in range(N):
-        states.append(S_)
-        delta = torch.baddbmm(U[:, n], W[:, n], S_, alpha=-1)
-        deltas.append(delta)
-        S_ = torch.baddbmm(decay[:, n] * S_, k_end[:, n], delta)
-    S_in = torch.stack(states, dim=1).flatten(0, 1)                           # [B*H*N, K, V] state entering chunks
-    o = torch.baddbmm(qG.flatten(0, 2) @ S_in, A_qk.flatten(0, 2), torch.stack(deltas, dim=1).flatten(0, 1),
+    # the only sequential part: Delta_n = U_n - W_n S_n, S_{n+1} = Diag(exp Gamma_C) S_n + K_end^T Delta_n;
+    # every per-chunk operand below is a contiguous slice
+    k_end = k_end.transpose(-1, -2).flatten(1, 2)                             # [N, B*H, K, C]
+    decay = G_end[..., -1, :].to(dtype).exp().unsqueeze(-1).flatten(1, 2)     # [N, B*H, K, 1]
+    S_ = torch.zeros(B * H, K, V, dtype=dtype, device=q.device) if initial_state is None \
+        else initial_state.to(dtype).flatten(0, 1)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (U, W, k_end, decay, S_)):
+        states, deltas = [], []
+        for n in range(N):
+            states.append(S_)
+            delta = torch.baddbmm(U[n], W[n], S_, alpha=-1)
+            deltas.append(delta)
+            S_ = torch.baddbmm(decay[n] * S_, k_end[n], delta)
+        S_all, D_all = torch.stack(states), torch.stack(deltas)
+    else:  # no autograd: the same operations, written in place into the stacked buffers (no stack copies)
+        S_all = torch.empty(N + 1, B * H, K, V, dtype=dtype, device=q.device)
+        D_all = torch.empty(N, B * H, C, V, dtype=dtype, device=q.device)
+        S_all[0] = S_
+        for n in range(N):
+            torch.baddbmm(U[n], W[n], S_all[n], alpha=-1, out=D_all[n])
+            torch.baddbmm(decay[n] * S_all[n], k_end[n], D_all[n], out=S_all[n + 1])
+        S_, S_all = S_all[N], S_all[:N]
+    S_in = S_all.flatten(0, 1)                                                # [N*B*H, K, V] state entering chunks
+    o = torch.baddbmm(qG.flatten(0, 2) @ S_in, A_qk.flatten(0, 2), D_all.flatten(0, 1),
                       beta=scale, alpha=scale)                                # q was left unscaled until here
-    o = o.view(B, H, N * C, V).transpose(1, 2)[:, :T].contiguous()
+    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].contiguous()
     return o.to(out_dtype), (S_.view(B, H, K, V) if output_final_state else None)
