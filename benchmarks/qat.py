@@ -2,13 +2,18 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
+                             [--qat-start F]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
 here if missing). For each seed:
   fp32   train in full precision with that seed -> validation loss
   PTQ    that seed's fp32 weights loaded into a model built with the setting (nothing retrained) -> val loss;
          PTQ - fp32 is paired: same weights, no training noise
-  QAT    train from scratch with the setting (fake quant + straight-through estimator), same seed -> val loss
+  QAT    train from scratch with the setting (fake quant + straight-through estimator), same seed -> val loss;
+         with --qat-start F, QAT takes over the fp32 run's full training state (weights, optimizer moments,
+         balancing bias, RNG) after F x steps and trains the remaining steps with the setting: the same token
+         budget and schedule, QAT as the fine-tuning end of pretraining (as LLM-QAT, arXiv 2305.17888, starts
+         from a trained model), and the first F x steps are shared with the fp32 run instead of re-drawn
 Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
 recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
 back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
@@ -28,6 +33,7 @@ Writes runs/bench/qat.json atomically, after every seed (a stopped run leaves th
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import math
@@ -81,22 +87,68 @@ def quantize_head(model: K3Model, setting: str) -> K3Model:
     return model
 
 
-def train_run(config, files, args, label: str, seed: int, setting: str | None = None) -> tuple[K3Model, dict]:
+def _run_steps(trainer: Trainer, until: int, losses: list[float]) -> None:
+    while trainer.step < until:
+        losses.append(trainer.train_step()["loss"])
+
+
+def _record(trainer: Trainer, losses: list[float], train_s: float, files, args, tokens_timed: int) -> dict:
+    """tokens_timed: the tokens trained within train_s (a continued run times only its own steps)."""
+    tail = losses[-10:]
+    rec = {"train_loss_last10": sum(tail) / len(tail), "tokens": trainer.tokens, "train_s": round(train_s, 1),
+           "tokens_per_s": round(tokens_timed / train_s, 1) if train_s > 0 else None}
+    rec.update(val(trainer.model, files, args))
+    return rec
+
+
+def make_trainer(config, files, args, seed: int, setting: str | None = None) -> Trainer:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                      warmup_steps=args.warmup_steps, seed=seed, measure_mfu=False, record_attnres=False)
     if setting is not None:
         config = config.replace(qat=SETTINGS[setting][0])
-    trainer = Trainer(config, tc, files.train, None)  # no periodic eval: one full-split eval below
+    trainer = Trainer(config, tc, files.train, None)  # no periodic eval: one full-split eval at the end
     if setting is not None:
         quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
+    return trainer
+
+
+def train_run(config, files, args, label: str, seed: int, setting: str | None = None,
+              snapshot_at: int | None = None) -> tuple[K3Model, dict, dict | None]:
+    """Train `args.steps` steps -> (model, record, snapshot). With snapshot_at, the complete training state
+    after that many steps (weights, balancing buffers, optimizer moments, RNG) is kept for `continue_run`."""
+    trainer = make_trainer(config, files, args, seed, setting)
+    losses: list[float] = []
+    snapshot = None
     t0 = time.perf_counter()
-    result = trainer.fit()
-    train_s = time.perf_counter() - t0
-    rec = {"train_loss_last10": sum(result.losses[-10:]) / len(result.losses[-10:]), "tokens": result.tokens,
-           "train_s": round(train_s, 1), "tokens_per_s": round(result.tokens / train_s, 1)}
-    rec.update(val(trainer.model, files, args))
+    if snapshot_at is not None:
+        _run_steps(trainer, snapshot_at, losses)
+        snapshot = {"step": trainer.step, "tokens": trainer.tokens, "losses": list(losses),
+                    "model": copy.deepcopy(trainer.model.state_dict()),
+                    "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
+                    "rng": torch.get_rng_state(), "train_s": time.perf_counter() - t0}
+    _run_steps(trainer, args.steps, losses)
+    rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens)
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
-    return trainer.model, rec
+    return trainer.model, rec, snapshot
+
+
+def continue_run(config, files, args, label: str, seed: int, snapshot: dict, setting: str | None) -> dict:
+    """QAT for the end of the budget: a model built with `setting` takes over the fp32 run's state at
+    snapshot["step"] and trains the remaining steps with fake quant. The first steps are the fp32 run's own,
+    so QAT - fp32 carries only the noise of the last steps. setting None continues in fp32 (the test that
+    the hand-over is exact: it must reproduce the fp32 run)."""
+    trainer = make_trainer(config, files, args, seed, setting)
+    trainer.model.load_state_dict(snapshot["model"])
+    trainer.optimizer.load_state_dict(snapshot["optimizer"])
+    trainer.step, trainer.tokens = snapshot["step"], snapshot["tokens"]
+    torch.set_rng_state(snapshot["rng"])
+    losses = list(snapshot["losses"])
+    t0 = time.perf_counter()
+    _run_steps(trainer, args.steps, losses)
+    rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens - snapshot["tokens"])
+    rec["qat_from_step"] = snapshot["step"]
+    print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
+    return rec
 
 
 def val(model, files, args) -> dict:
@@ -179,6 +231,9 @@ def main(argv=None) -> dict:
                     help=f"PTQ + QAT, comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--ptq-only", default="harsh", help="settings given the PTQ evaluation only ('' for none)")
     ap.add_argument("--no-seed-spread", action="store_true", help="one seed: skip the second fp32 run (seed + 1)")
+    ap.add_argument("--qat-start", type=float, default=0.0,
+                    help="fraction of the steps trained in fp32 before QAT takes over (default 0: QAT from "
+                         "scratch; e.g. 0.8: the fp32 run's state at 80%% of the steps, then QAT for the rest)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=str(OUT))
@@ -194,6 +249,11 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--seeds {args.seeds!r}: use comma-separated integers, e.g. --seeds 0,1,2") from None
     if not seeds or len(set(seeds)) != len(seeds):
         raise SystemExit(f"--seeds {args.seeds!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
+    if not 0.0 <= args.qat_start < 1.0:
+        raise SystemExit(f"--qat-start {args.qat_start}: give a fraction in [0, 1), e.g. 0.8 (0 = QAT from scratch)")
+    qat_from = round(args.qat_start * args.steps) or None
+    if qat_from is not None and qat_from >= args.steps:
+        raise SystemExit(f"--qat-start {args.qat_start} of {args.steps} steps leaves no QAT step; lower it")
     names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
     ptq_names = [n for n in ptq_names if n not in names]
     if not names and not ptq_names:
@@ -208,15 +268,18 @@ def main(argv=None) -> dict:
     result: dict = {}
     for seed in seeds:
         r = runs[str(seed)] = {}
-        fp32_model, r["fp32"] = train_run(config, files, args, "fp32", seed)
+        fp32_model, r["fp32"], snapshot = train_run(config, files, args, "fp32", seed, snapshot_at=qat_from)
         for name in ptq_names + names:
             r[f"ptq_{name}"] = ptq(fp32_model, name, files, args)
             print(f"seed {seed} ptq_{name}: {json.dumps(r[f'ptq_{name}'])}", file=sys.stderr, flush=True)
         del fp32_model
         if len(seeds) == 1 and not args.no_seed_spread:
-            _, r["fp32_seed+1"] = train_run(config, files, args, "fp32_seed+1", seed + 1)
+            _, r["fp32_seed+1"], _ = train_run(config, files, args, "fp32_seed+1", seed + 1)
         for name in names:
-            _, r[f"qat_{name}"] = train_run(config, files, args, f"qat_{name}", seed, setting=name)
+            if snapshot is None:
+                _, r[f"qat_{name}"], _ = train_run(config, files, args, f"qat_{name}", seed, setting=name)
+            else:
+                r[f"qat_{name}"] = continue_run(config, files, args, f"qat_{name}", seed, snapshot, name)
         result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before)
         atomic_write_json(Path(args.out), result)
     if args.json:
@@ -254,7 +317,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         "params": sum(p.numel() for p in K3Model(config).parameters()),
         "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
-                   "warmup_steps": args.warmup_steps, "optimizer": "adamw"},
+                   "warmup_steps": args.warmup_steps, "optimizer": "adamw", "qat_start": args.qat_start,
+                   "qat_from_step": round(args.qat_start * args.steps)},
         "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,
         "runs": runs,
@@ -264,7 +328,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         "seed_spread": spread,
         "definitions": {
             "ptq_degradation": "mean over seeds of PTQ val loss - fp32 val loss (same weights), nats/token",
-            "qat_gap": "mean over seeds of QAT val loss - fp32 val loss (same seed), nats/token",
+            "qat_gap": "mean over seeds of QAT val loss - fp32 val loss (same seed), nats/token; with "
+                       "qat_from_step > 0 the QAT run is the fp32 run up to that step, fake-quantized after it",
             "recovery": "(ptq_degradation - qat_gap) / ptq_degradation: from the means",
             "recovery_low": "recovery with qat_gap + 2 * qat_gap_sem in place of qat_gap",
             "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",

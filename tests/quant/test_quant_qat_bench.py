@@ -75,3 +75,31 @@ def test_quantize_head_shares_the_weight_and_quantizes(qat_bench):
     qat_bench.quantize_head(model, "harshest_head")
     assert isinstance(model.head, QATLinear) and model.head.weight is w and model.head.act_format == "mxfp4"
     assert not torch.allclose(model(x), ref, atol=1e-4)
+
+
+
+def test_qat_hand_over_continues_the_fp32_run_exactly(qat_bench, tiny_data_dir):
+    """--qat-start: QAT takes over the fp32 run's state mid-way. Continued with no quantization, that hand-over
+    must reproduce the fp32 run bit for bit (weights, optimizer moments, balancing bias, step, data order);
+    continued with a setting, it must differ."""
+    import argparse
+
+    from k3.config import get_config
+    from k3.data import prepare_data
+
+    files = prepare_data(tiny_data_dir, vocab_size=512, max_bytes=300_000)  # reuses the fixture's data
+    config = get_config("tiny", vocab_size=512)
+    args = argparse.Namespace(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_batches=2)
+    _, fp32, snap = qat_bench.train_run(config, files, args, "fp32", 0, snapshot_at=4)
+    assert snap["step"] == 4 and len(snap["losses"]) == 4
+    same = qat_bench.continue_run(config, files, args, "fp32 again", 0, snap, None)
+    assert same["val_loss"] == fp32["val_loss"] and same["train_loss_last10"] == fp32["train_loss_last10"]
+    assert same["tokens"] == fp32["tokens"] and same["qat_from_step"] == 4
+    qat = qat_bench.continue_run(config, files, args, "qat", 0, snap, "harshest")
+    assert qat["val_loss"] != fp32["val_loss"] and qat["tokens"] == fp32["tokens"]
+
+
+def test_bad_qat_start_is_refused(qat_bench, tmp_path):
+    for bad in ("1.0", "-0.1"):
+        with pytest.raises(SystemExit, match="--qat-start"):
+            qat_bench.main(["--quick", "--qat-start", bad, "--out", str(tmp_path / "q.json")])
