@@ -139,7 +139,9 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
     the hand-over is exact: it must reproduce the fp32 run)."""
     trainer = make_trainer(config, files, args, seed, setting)
     trainer.model.load_state_dict(snapshot["model"])
-    trainer.optimizer.load_state_dict(snapshot["optimizer"])
+    # a copy: Optimizer.load_state_dict keeps the given state tensors and steps them in place, so without it
+    # this run's moments (which have seen the batches after the snapshot) would leak into the next hand-over
+    trainer.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
     trainer.step, trainer.tokens = snapshot["step"], snapshot["tokens"]
     torch.set_rng_state(snapshot["rng"])
     losses = list(snapshot["losses"])

@@ -97,6 +97,10 @@ def test_qat_hand_over_continues_the_fp32_run_exactly(qat_bench, tiny_data_dir):
     assert same["tokens"] == fp32["tokens"] and same["qat_from_step"] == 4
     qat = qat_bench.continue_run(config, files, args, "qat", 0, snap, "harshest")
     assert qat["val_loss"] != fp32["val_loss"] and qat["tokens"] == fp32["tokens"]
+    # the snapshot is not consumed: a later hand-over starts from the same state (the optimizer moments of the
+    # runs before it, which have seen the batches after the snapshot, must not leak into it)
+    again = qat_bench.continue_run(config, files, args, "fp32 once more", 0, snap, None)
+    assert again["val_loss"] == fp32["val_loss"] and again["train_loss_last10"] == fp32["train_loss_last10"]
 
 
 def test_bad_qat_start_is_refused(qat_bench, tmp_path):
