@@ -125,7 +125,7 @@ def train_run(config, files, args, label: str, seed: int, setting: str | None = 
         snapshot = {"step": trainer.step, "tokens": trainer.tokens, "losses": list(losses),
                     "model": copy.deepcopy(trainer.model.state_dict()),
                     "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
-                    "rng": torch.get_rng_state(), "train_s": time.perf_counter() - t0}
+                    "rng": torch.get_rng_state()}
     _run_steps(trainer, args.steps, losses)
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens)
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
@@ -253,7 +253,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--seeds {args.seeds!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
     if not 0.0 <= args.qat_start < 1.0:
         raise SystemExit(f"--qat-start {args.qat_start}: give a fraction in [0, 1), e.g. 0.8 (0 = QAT from scratch)")
-    qat_from = round(args.qat_start * args.steps) or None
+    args.qat_from_step = round(args.qat_start * args.steps)
+    qat_from = args.qat_from_step or None
     if qat_from is not None and qat_from >= args.steps:
         raise SystemExit(f"--qat-start {args.qat_start} of {args.steps} steps leaves no QAT step; lower it")
     names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
@@ -320,7 +321,7 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
                    "warmup_steps": args.warmup_steps, "optimizer": "adamw", "qat_start": args.qat_start,
-                   "qat_from_step": round(args.qat_start * args.steps)},
+                   "qat_from_step": args.qat_from_step},
         "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,
         "runs": runs,
