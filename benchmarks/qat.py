@@ -24,7 +24,8 @@ The seed spread is the mean |fp32(seed i) - fp32(seed j)| over seed pairs (one s
 seed + 1, unless --no-seed-spread).
 Settings: 'k3' = routed-expert weights MXFP4 + their input activations MXFP8 (K3's); 'harsh' = that plus every
 other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all of those with MXFP4 activations
-(W4A4); 'harshest_head' = harshest with the output head W4A4 too, i.e. literally every linear layer.
+(W4A4); 'harshest_head' = harshest with the output head W4A4 too, i.e. literally every linear layer;
+'harsh_head' = harsh with the output head W4A8 too: every linear layer's weights MXFP4, every input MXFP8.
 --ptq-only settings get the PTQ evaluation only (cheap: no training), to show how much quantizing costs.
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
@@ -62,6 +63,7 @@ SETTINGS = {
     "harsh": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, None),
     "harshest": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, None),
     "harshest_head": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, "mxfp4"),
+    "harsh_head": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, "mxfp4"),
 }
 RECOVERY_TARGET = 0.8
 # mini's structure (KDA + MLA, block AttnRes, LatentMoE with a shared expert, 8192-token vocab), smaller widths
