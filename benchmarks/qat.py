@@ -29,7 +29,8 @@ other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all
 --ptq-only settings get the PTQ evaluation only (cheap: no training), to show how much quantizing costs.
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
-Writes runs/bench/qat.json atomically, after every seed (a stopped run leaves the seeds it finished).
+Writes runs/bench/qat.json atomically, after every seed (a stopped run leaves the seeds it finished; --resume
+keeps them and runs only the missing seeds, so more seeds can be added to a finished run the same way).
 """
 from __future__ import annotations
 
@@ -241,6 +242,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the seeds already in --out (same model, budget and settings) and run only the others")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -269,9 +272,13 @@ def main(argv=None) -> dict:
     files = prepare_data(data, vocab_size=config.vocab_size)
     t_start = time.perf_counter()
     machine_before = machine()
-    runs: dict[str, dict] = {}
+    runs: dict[str, dict] = resumed_runs(Path(args.out), config, args, names, ptq_names, seeds) if args.resume else {}
+    kept = sorted(int(x) for x in runs)
     result: dict = {}
     for seed in seeds:
+        if str(seed) in runs:
+            print(f"seed {seed}: kept from {args.out}", file=sys.stderr, flush=True)
+            continue
         r = runs[str(seed)] = {}
         fp32_model, r["fp32"], snapshot = train_run(config, files, args, "fp32", seed, snapshot_at=qat_from)
         for name in ptq_names + names:
@@ -285,8 +292,10 @@ def main(argv=None) -> dict:
                 _, r[f"qat_{name}"], _ = train_run(config, files, args, f"qat_{name}", seed, setting=name)
             else:
                 r[f"qat_{name}"] = continue_run(config, files, args, f"qat_{name}", seed, snapshot, name)
-        result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before)
+        result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
         atomic_write_json(Path(args.out), result)
+    result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
+    atomic_write_json(Path(args.out), result)
     if args.json:
         print(json.dumps(result))
     else:
@@ -295,8 +304,30 @@ def main(argv=None) -> dict:
     return result
 
 
-def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before) -> dict:
-    """The JSON record of the seeds finished so far."""
+def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str], seeds: list[int]) -> dict:
+    """The finished seeds of an earlier run written to `path`, when it measured the same thing: same model
+    config, training budget (steps, batch, schedule, QAT start) and settings. Anything else is an error that
+    names the difference, never a silent mix of two experiments."""
+    if not path.exists():
+        return {}
+    prev = json.loads(path.read_text())
+    want = {"config": config.to_dict(), "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "lr": args.lr, "warmup_steps": args.warmup_steps, "qat_from_step": args.qat_from_step,
+            "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
+    have = {"config": prev.get("config"), **{k: prev.get("budget", {}).get(k) for k in
+            ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "qat_from_step")},
+            "settings": sorted(n for n, v in prev.get("settings", {}).items() if v.get("trained")),
+            "ptq_only": sorted(n for n, v in prev.get("settings", {}).items() if not v.get("trained")),
+            "quick": prev.get("quick")}
+    diff = [k for k in want if want[k] != have[k]]
+    if diff:
+        raise SystemExit(f"--resume: {path} measured something else (differs in {', '.join(diff)}); "
+                         "pass another --out or drop --resume")
+    return {s: r for s, r in prev.get("runs", {}).items() if int(s) in seeds}
+
+
+def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept=()) -> dict:
+    """The JSON record of the seeds finished so far (`kept`: seeds taken from an earlier run by --resume)."""
     done = list(runs)
     fp32 = [runs[s]["fp32"]["val_loss"] for s in done]
     if len(done) > 1:
@@ -342,7 +373,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
             "seed_spread": "mean |fp32 val loss (seed i) - fp32 val loss (seed j)| over seed pairs (one seed: "
                            "against seed + 1): training noise"},
         "command": "python benchmarks/qat.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "total_s": round(time.perf_counter() - t_start, 1),
+        "seeds_kept_from_earlier_run": list(kept),
+        "total_s": round(time.perf_counter() - t_start, 1),                   # this invocation's seeds only
         "machine": machine_before,
         "loadavg_1m_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }

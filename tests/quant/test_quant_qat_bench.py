@@ -107,3 +107,21 @@ def test_bad_qat_start_is_refused(qat_bench, tmp_path):
     for bad in ("1.0", "-0.1"):
         with pytest.raises(SystemExit, match="--qat-start"):
             qat_bench.main(["--quick", "--qat-start", bad, "--out", str(tmp_path / "q.json")])
+
+
+def test_resume_adds_seeds_and_equals_one_run(qat_bench, tmp_path, capsys):
+    """--resume keeps the finished seeds of --out and runs only the new ones; the record is the one a single
+    run over all seeds writes. A resume against a different experiment is refused, naming the difference."""
+    common = ["--quick", "--json", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.5"]
+    part = tmp_path / "part.json"
+    qat_bench.main(common + ["--seeds", "0", "--no-seed-spread", "--out", str(part)])
+    resumed = qat_bench.main(common + ["--seeds", "0,1", "--resume", "--out", str(part)])
+    whole = qat_bench.main(common + ["--seeds", "0,1", "--out", str(tmp_path / "whole.json")])
+    assert resumed["seeds_kept_from_earlier_run"] == [0] and whole["seeds_kept_from_earlier_run"] == []
+    assert resumed["runs"]["0"]["qat_harsh_head"]["val_loss"] == whole["runs"]["0"]["qat_harsh_head"]["val_loss"]
+    for key in ("ptq_degradation_per_seed", "qat_gap_per_seed", "recovery", "verdict"):
+        assert resumed["settings"]["harsh_head"][key] == whole["settings"]["harsh_head"][key]
+    with pytest.raises(SystemExit, match="differs in qat_from_step"):
+        qat_bench.main(["--quick", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.25",
+                        "--seeds", "0,1", "--resume", "--out", str(part)])
+    capsys.readouterr()
