@@ -44,3 +44,21 @@ def test_policy_and_context_losses(w):
         sft_step_fn(model, ex, 2, 0, context_loss_weight=-1.0)
     with pytest.raises(ValueError, match="no demonstrations"):
         sft_step_fn(model, [], 2, 0)
+
+
+def test_short_prompt_curriculum_switches_pools():
+    """The first N steps (0-based, as StepLoop counts) draw from the short episodes, later steps from the full ones; the short episode of a demo is
+    its transcript without the system message."""
+    from k3.rl.train import without_system_prompt
+    torch.manual_seed(0)
+    model = Bigram()
+    full = [([3, 4, 5, 6, 7], [False, False, True, True, False])]
+    short = [([8, 9, 10, 4], [False, False, True, True])]
+    fn = sft_step_fn(model, full, batch_size=2, seed=0, short_examples=short, short_prompt_steps=3)
+    for step, pool in ((0, short), (2, short), (3, full)):
+        torch.testing.assert_close(fn(step)["loss"], _manual(model, [pool[0]] * 2, 0.0))
+    with pytest.raises(ValueError, match="short_prompt_steps"):
+        sft_step_fn(model, full, 2, 0, short_prompt_steps=5)
+    tr = [{"role": "system", "content": "tools"}, {"role": "user", "content": "task"},
+          {"role": "assistant", "content": "call"}]
+    assert without_system_prompt(tr) == tr[1:]

@@ -89,7 +89,8 @@ def cmd_warmstart(args) -> dict:
     bar = _Bar(args.steps, "warm start", ("loss",), not args.quiet)
     try:
         records = run_warmstart(model, tok, demos, _loop_config(args), root / "warmstart", batch_size=args.batch,
-                                context_loss_weight=args.context_loss_weight, resume=args.resume,
+                                context_loss_weight=args.context_loss_weight,
+                                short_prompt_steps=args.short_prompt_steps, resume=args.resume,
                                 overwrite=args.overwrite, on_record=bar)
     finally:
         bar.close()
@@ -226,7 +227,7 @@ def cmd_demo(args) -> dict:
                               tasks_per_kind=DEMO["tasks_per_kind"],
                               demos_per_task=DEMO["demos_per_task"], vocab_size=1024, steps=DEMO["warm_steps"],
                               batch=DEMO["warm_batch"], lr=3e-3, warmup=20, decay_frac=0.1, ckpt_every=0,
-                              context_loss_weight=0.0)
+                              context_loss_weight=0.0, short_prompt_steps=0)
     out = {"warmstart": cmd_warmstart(warm)}
     # the recipe of docs/rl.md's evidence runs: dialects swapped per episode (their own tool names: renamed
     # ones give a warm start this small almost no success to learn from), episodes weighed equally, a KL term
@@ -294,6 +295,9 @@ def register(subparsers) -> None:
                    help="canonical: demonstrations in the four dialects with their own tool names; swap: renamed too")
     w.add_argument("--context-loss-weight", type=float, default=0.0,
                    help="weight of the cross-entropy on context tokens (prompt, tool outputs) beside the replies'")
+    w.add_argument("--short-prompt-steps", type=int, default=0,
+                   help="curriculum: the first N steps train on the episodes without their system prompt, where "
+                        "a small model learns to choose its command from the instruction (docs/rl.md)")
     w.set_defaults(func=lambda a: _run(cmd_warmstart, a))
 
     t = sub.add_parser("train", help="GRPO from a checkpoint of the experiment")

@@ -86,22 +86,31 @@ def new_model(preset: str, tokenizer, max_context: int = 2048, seed: int = 0, **
 
 # ---------------------------------------------------------------------------------------- warm start
 def sft_step_fn(model, examples: Sequence[tuple[list[int], list[bool]]], batch_size: int, seed: int,
-                context_loss_weight: float = 0.0) -> Callable:
+                context_loss_weight: float = 0.0, short_examples: Sequence[tuple[list[int], list[bool]]] = (),
+                short_prompt_steps: int = 0) -> Callable:
     """Cross-entropy on the tokens a policy writes (assistant turns), whole multi-turn episodes per row.
 
     `context_loss_weight` w > 0 adds w times the mean cross-entropy of every other token (system prompt,
     instruction, tool outputs), the "prompt loss weight" of fine-tuning APIs. A model trained from scratch
     first learns the local format of the calls; the context is where it can learn to look things up (the
     tool names a spec defines reappear in its example call, the task's numbers reappear in its restatement),
-    which the calls need."""
+    which the calls need.
+
+    `short_prompt_steps` N > 0 is a curriculum: the first N steps (0..N-1) draw from `short_examples` (the same episodes
+    without their system prompt, about 150 tokens instead of 500-1,200), later steps from `examples`. In the
+    short episodes the instruction is near every command, and a small model learns to choose the command
+    from it; it keeps that choice once the system prompt is back (docs/rl.md, "Curriculum")."""
     if not examples:
         raise ValueError("the warm start has no demonstrations; collect some first")
+    if short_prompt_steps < 0 or (short_prompt_steps and not short_examples):
+        raise ValueError(f"short_prompt_steps = {short_prompt_steps} needs short_examples and must be >= 0")
     if not (context_loss_weight >= 0 and math.isfinite(context_loss_weight)):
         raise ValueError(f"context_loss_weight = {context_loss_weight} must be a number >= 0")
 
     def step_fn(step: int) -> dict:
         rng = random.Random(_seed("k3-rl-sft", seed, step))
-        pick = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        pool = short_examples if step < short_prompt_steps else examples            # steps are 0-based
+        pick = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
         ids, mask = pad_batch([p[0] for p in pick], [p[1] for p in pick], PAD_ID)
         model.train()
         logits = model(ids)
@@ -118,21 +127,28 @@ def sft_step_fn(model, examples: Sequence[tuple[list[int], list[bool]]], batch_s
     return step_fn
 
 
+def without_system_prompt(transcript: Sequence[dict]) -> list[dict]:
+    """The episode as the curriculum's short examples see it: every message but the system prompt."""
+    return [m for m in transcript if m["role"] != "system"]
+
+
 def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, out_dir, *, batch_size: int = 8,
-                  context_loss_weight: float = 0.0, resume: bool = False, overwrite: bool = False,
-                  on_record=None) -> list[dict]:
-    examples = []
+                  context_loss_weight: float = 0.0, short_prompt_steps: int = 0, resume: bool = False,
+                  overwrite: bool = False, on_record=None) -> list[dict]:
+    examples, short = [], []
     for r in demos:
         ids, mask = episode_tokens(r["transcript"], tokenizer)
         if len(ids) <= model.config.max_context:
             examples.append((ids, mask))
+            if short_prompt_steps:
+                short.append(episode_tokens(without_system_prompt(r["transcript"]), tokenizer))
     if len(examples) < len(demos):
         log.warning("%d demonstrations longer than the context were left out", len(demos) - len(examples))
     loop = StepLoop(model, config, out_dir, {"kind": "rl-warmstart", "tokenizer_sha256": tokenizer.fingerprint},
                     {"tokenizer": str(tokenizer.path), "batch_size": batch_size, "demos": len(examples),
-                     "context_loss_weight": context_loss_weight})
-    return loop.fit(sft_step_fn(model, examples, batch_size, config.seed, context_loss_weight), resume=resume,
-                    overwrite=overwrite, on_record=on_record)
+                     "context_loss_weight": context_loss_weight, "short_prompt_steps": short_prompt_steps})
+    return loop.fit(sft_step_fn(model, examples, batch_size, config.seed, context_loss_weight, short,
+                                short_prompt_steps), resume=resume, overwrite=overwrite, on_record=on_record)
 
 
 # ---------------------------------------------------------------------------------------- GRPO
