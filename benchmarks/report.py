@@ -48,6 +48,15 @@ HEADLINES = {
         ("settings.harshest_head.verdict", "recovery target, W4A4 + head", "met"),
         ("seed_spread", "fp32 val loss, mean absolute difference between seeds (nats)", ""),
     ],
+    "qat-harsh-start0.8": [
+        ("settings.harsh.ptq_degradation", "PTQ val loss - fp32, all block linears W4A8 (nats, 8-seed mean)", ""),
+        ("settings.harsh.qat_gap", "QAT (last 20% of the budget) val loss - fp32, same setting (nats)", ""),
+        ("settings.harsh.recovery", "QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.recovery_low", "same, QAT gap moved up by 2 SE", ""),
+        ("settings.harsh_head.ptq_degradation", "PTQ val loss - fp32, every linear incl. head W4A8 (nats)", ""),
+        ("settings.harsh_head.recovery", "QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+        ("settings.harsh_head.verdict", "recovery target, every linear W4A8", "met"),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
