@@ -294,8 +294,9 @@ def main(argv=None) -> dict:
                 r[f"qat_{name}"] = continue_run(config, files, args, f"qat_{name}", seed, snapshot, name)
         result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
         atomic_write_json(Path(args.out), result)
-    result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
-    atomic_write_json(Path(args.out), result)
+    if not result:  # every seed was kept from the earlier run: nothing new was written yet
+        result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
+        atomic_write_json(Path(args.out), result)
     if args.json:
         print(json.dumps(result))
     else:

@@ -70,7 +70,7 @@ def main() -> list[dict]:
         return next(m for m, e in ends if step <= e)
 
     def edit(transcript, mode):
-        return without_system_prompt(transcript) if mode == "none" else [dict(m) for m in transcript]
+        return without_system_prompt(transcript) if mode == "none" else transcript
 
     modes = sorted({m for m, _ in phases})
     held = set(random.Random(0).sample(range(len(demos)), 48))
