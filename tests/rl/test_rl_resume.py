@@ -52,3 +52,47 @@ def test_resume_off_a_batch_boundary_is_refused(tmp_path, tiny_rl_model, rl_toke
     with pytest.raises(ValueError, match="multiples of --updates-per-batch"):
         run_grpo(tiny_rl_model, rl_tokenizer, rl_tasks["train"], g, LoopConfig(steps=4, ckpt_every=3), tmp_path,
                  init="x", episode_fn=fake_episode(_reward))
+
+
+def _parity_reward(task, seed, texts):
+    return float(sum(map(ord, "".join(texts))) % 2)
+
+
+@pytest.mark.parametrize("agg,beta", [("token", 0.05), ("sequence", 0.0)])
+def test_micro_batches_give_the_whole_batch_gradient(tiny_rl_model, rl_tokenizer, rl_tasks, agg, beta):
+    """--micro-batch: one forward/backward per chunk of episodes, weighted by its share, accumulates the
+    gradient (and the loss and statistics) of the whole batch in one pass."""
+    from k3.model.transformer import K3Model
+    from k3.rl.train import GRPOTrainer
+
+    state = {k: v.clone() for k, v in tiny_rl_model.state_dict().items()}
+
+    def fresh():
+        m = K3Model(tiny_rl_model.config)
+        m.load_state_dict(state)
+        return m
+
+    results = []
+    for micro in (0, 2):
+        model, ref = fresh(), fresh().eval().requires_grad_(False)
+        g = GRPOConfig(groups_per_step=2, group_size=3, max_tokens=6, beta=beta, agg=agg, micro_batch=micro)
+        trainer = GRPOTrainer(model, rl_tokenizer, rl_tasks["train"], g, seed=3, ref_model=ref,
+                              episode_fn=fake_episode(_parity_reward))
+        out = trainer.step_fn(0)
+        assert out["backward_done"]
+        sizes = [c["ids"].shape[0] for c in trainer._batch["chunks"]]
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, sizes))
+    (whole, g_whole, s_whole), (micro, g_micro, s_micro) = results
+    assert len(s_whole) == 1 and len(s_micro) > 1 and max(s_micro) <= 2 and sum(s_micro) == s_whole[0]
+    assert whole["tokens"] == micro["tokens"] > 0
+    torch.testing.assert_close(micro["loss"], whole["loss"], rtol=1e-5, atol=1e-6)
+    for k in ("clip_frac", "ratio_mean") + (("kl",) if beta else ()):
+        assert micro[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-7)
+    assert g_whole.keys() == g_micro.keys() and any(g.abs().sum() > 0 for g in g_whole.values())
+    for n in g_whole:
+        torch.testing.assert_close(g_micro[n], g_whole[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_micro_batch_must_be_a_count():
+    with pytest.raises(ValueError, match="micro_batch"):
+        GRPOConfig(micro_batch=-1).validate()

@@ -1,7 +1,9 @@
 """A step loop for post-training (SFT, on-policy distillation): schedule, clip, step, checkpoint, metrics.
 
 The caller gives `step_fn(step) -> dict`, which computes the step's loss (a scalar tensor under `"loss"`)
-and its metrics; the loop does the rest with the trainer's parts (`k3.train.optim`, `schedule`,
+and its metrics; the loop does the rest. A step_fn that accumulates gradients itself (micro-batches, to
+bound memory) runs its own backward passes and returns `"backward_done": True` with the loss for the
+record; the loop then only clips and steps with the trainer's parts (`k3.train.optim`, `schedule`,
 `checkpoint`, `metrics`). Everything random in a step must be a pure function of `(seed, step)` (per-step
 generators, not the global RNG), so a run resumed from a checkpoint repeats exactly the steps an
 uninterrupted run would have taken (tested: N steps == N/2, resume, N/2, losses equal).
@@ -183,7 +185,8 @@ class StepLoop:
         out = step_fn(self.step)
         loss = out.pop("loss")
         model.train()
-        loss.backward()
+        if not out.pop("backward_done", False):
+            loss.backward()
         clip = self.lc.grad_clip if self.lc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
         self.optimizer.step()

@@ -104,7 +104,8 @@ def _grpo_config(args):
     return GRPOConfig(groups_per_step=args.groups, group_size=args.group_size, temperature=args.temperature,
                       max_tokens=args.max_tokens, updates_per_batch=args.updates_per_batch, eps_low=args.eps_low,
                       eps_high=args.eps_high, beta=args.beta, agg=args.agg, scale_rewards=not args.no_std,
-                      harness=args.harness, fixed_dialect=args.fixed_dialect, max_turns=args.max_turns).validate()
+                      harness=args.harness, fixed_dialect=args.fixed_dialect, max_turns=args.max_turns,
+                      micro_batch=args.micro_batch).validate()
 
 
 def cmd_train(args) -> dict:
@@ -320,6 +321,9 @@ def register(subparsers) -> None:
     t.add_argument("--eps-high", type=float, default=0.28)
     t.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the initial model (0: none)")
     t.add_argument("--agg", choices=("token", "sequence"), default="token")
+    t.add_argument("--micro-batch", type=int, default=0,
+                   help="episodes per forward/backward (0: all of a step's at once); lowers peak memory, same "
+                        "gradient; may differ between a run and its resume")
     t.add_argument("--no-std", action="store_true", help="advantages without dividing by the group's std")
     t.set_defaults(func=lambda a: _run(cmd_train, a))
 

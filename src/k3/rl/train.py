@@ -145,7 +145,7 @@ def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, o
     if len(examples) < len(demos):
         log.warning("%d demonstrations longer than the context were left out", len(demos) - len(examples))
     loop = StepLoop(model, config, out_dir, {"kind": "rl-warmstart", "tokenizer_sha256": tokenizer.fingerprint},
-                    {"tokenizer": str(tokenizer.path), "batch_size": batch_size, "demos": len(examples),
+                    {"tokenizer_sha256": tokenizer.fingerprint, "batch_size": batch_size, "demos": len(examples),
                      "context_loss_weight": context_loss_weight, "short_prompt_steps": short_prompt_steps})
     return loop.fit(sft_step_fn(model, examples, batch_size, config.seed, context_loss_weight, short,
                                 short_prompt_steps), resume=resume, overwrite=overwrite, on_record=on_record)
@@ -168,12 +168,16 @@ class GRPOConfig:
     harness: str = "swap"           # swap | canonical | fixed
     fixed_dialect: str = "react"
     max_turns: int | None = None    # None: the task's own step limit
+    micro_batch: int = 0            # episodes per forward/backward (0: all of a step's at once); bounds memory
 
     def validate(self) -> "GRPOConfig":
         for name in ("groups_per_step", "group_size", "max_tokens", "updates_per_batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} = {v!r} must be a positive integer")
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 0:
+            raise ValueError(f"micro_batch = {self.micro_batch!r} must be an integer >= 0 (0: one forward for all "
+                             "of a step's episodes)")
         if self.group_size < 2:
             raise ValueError(f"group_size = {self.group_size}: group-relative advantages need at least 2 rollouts "
                              "per task")
@@ -237,12 +241,43 @@ class GRPOTrainer:
         # with no KL term a zero-advantage episode contributes nothing; leave it out of the forward
         rows = [(t, a) for t, a in zip(kept, adv) if a != 0.0 or self.cfg.beta > 0]
         rows = [(t, a) for t, a in rows if t.n_sampled > 0]
-        batch = {"step": step, "trajs": trajs, "rows": rows, "old_logp": None, "ref_logp": None,
-                 "rollout_s": rollout_s, "dropped_groups": dropped_groups}
-        if rows:
-            batch["ids"], batch["mask"] = pad_batch([t.ids for t, _ in rows], [t.policy_mask for t, _ in rows], PAD_ID)
-            batch["adv"] = torch.tensor([a for _, a in rows])
+        batch = {"step": step, "trajs": trajs, "rows": rows, "rollout_s": rollout_s, "dropped_groups": dropped_groups}
+        m = self.cfg.micro_batch or max(len(rows), 1)
+        batch["chunks"] = []
+        for i in range(0, len(rows), m):
+            part = rows[i:i + m]
+            ids, mask = pad_batch([t.ids for t, _ in part], [t.policy_mask for t, _ in part], PAD_ID)
+            batch["chunks"].append({"ids": ids, "mask": mask[:, 1:], "adv": torch.tensor([a for _, a in part]),
+                                    "old_logp": None, "ref_logp": None})
         return batch
+
+    def _loss_and_backward(self, b: dict) -> tuple[torch.Tensor, dict]:
+        """The GRPO loss of all of a batch's episodes, one forward and backward per chunk of `micro_batch`
+        episodes, each chunk's loss weighted by its share (of sampled tokens, or of sequences), so the
+        accumulated gradient is that of the whole batch in one pass."""
+        model, cfg = self.model, self.cfg
+        n_tok = sum(int(c["mask"].sum()) for c in b["chunks"])
+        n_seq = sum(int((c["mask"].sum(1) > 0).sum()) for c in b["chunks"])
+        total, tokens, sums = 0.0, 0, {}
+        for c in b["chunks"]:
+            logp = token_logprobs(model(c["ids"]), c["ids"])
+            if c["old_logp"] is None:
+                c["old_logp"] = logp.detach()  # the policy that sampled = the weights at the batch's first step
+            if cfg.beta > 0 and c["ref_logp"] is None:
+                with torch.no_grad():
+                    c["ref_logp"] = token_logprobs(self.ref_model(c["ids"]), c["ids"])
+            loss, st = grpo_loss(logp, c["old_logp"], c["adv"], c["mask"], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                                 ref_logp=c["ref_logp"], beta=cfg.beta, agg=cfg.agg)
+            w = st["tokens"] / n_tok if cfg.agg == "token" else int((c["mask"].sum(1) > 0).sum()) / n_seq
+            aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
+            part = (loss + aux) * w
+            part.backward()
+            total += float(part.detach())
+            tokens += st["tokens"]
+            for k in ("clip_frac", "ratio_mean", "kl"):
+                if k in st:
+                    sums[k] = sums.get(k, 0.0) + st[k] * st["tokens"]
+        return torch.tensor(total), {"tokens": tokens, **{k: v / tokens for k, v in sums.items()}}
 
     def step_fn(self, step: int) -> dict:
         mu = self.cfg.updates_per_batch
@@ -255,23 +290,14 @@ class GRPOTrainer:
         b = self._batch
         model = self.model
         model.train()
-        stats = {}
-        if b["rows"]:
-            ids, mask = b["ids"], b["mask"][:, 1:]
-            logp = token_logprobs(model(ids), ids)
-            if b["old_logp"] is None:
-                b["old_logp"] = logp.detach()  # the policy that sampled = the weights at the batch's first step
-            if self.cfg.beta > 0 and b["ref_logp"] is None:
-                with torch.no_grad():
-                    b["ref_logp"] = token_logprobs(self.ref_model(ids), ids)
-            loss, stats = grpo_loss(logp, b["old_logp"], b["adv"], mask, eps_low=self.cfg.eps_low,
-                                    eps_high=self.cfg.eps_high, ref_logp=b["ref_logp"], beta=self.cfg.beta,
-                                    agg=self.cfg.agg)
-            aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
-            loss = loss + aux
+        stats, done = {}, False
+        if b["chunks"]:
+            loss, stats = self._loss_and_backward(b)
+            done = True
         else:  # nothing to learn from in this batch (every group tied, or excluded): a zero gradient
             loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return {"loss": loss, "tokens": stats.pop("tokens", 0), **stats, **self._rollout_metrics(b, step == first)}
+        return {"loss": loss, "backward_done": done, "tokens": stats.pop("tokens", 0), **stats,
+                **self._rollout_metrics(b, step == first)}
 
     def _rollout_metrics(self, b: dict, fresh: bool) -> dict:
         trajs = b["trajs"]
@@ -301,8 +327,8 @@ def run_grpo(model, tokenizer, tasks: Sequence, gconfig: GRPOConfig, lconfig: Lo
         raise ValueError(f"--ckpt-every ({lconfig.ckpt_every}) and --steps ({lconfig.steps}) must be multiples of "
                          f"--updates-per-batch ({mu}), so every checkpoint can be resumed")
     trainer = GRPOTrainer(model, tokenizer, tasks, gconfig, lconfig.seed, ref_model, episode_fn, sandbox)
-    fields = {"tokenizer": str(tokenizer.path), "init": str(init), "tasks": [t.id for t in trainer.tasks][:4] +
-              [len(trainer.tasks)], **{k: v for k, v in dataclasses.asdict(gconfig).items()}}
+    fields = {"tokenizer_sha256": tokenizer.fingerprint, "init": str(init), "tasks": [t.id for t in trainer.tasks][:4] +
+              [len(trainer.tasks)], **{k: v for k, v in dataclasses.asdict(gconfig).items() if k != "micro_batch"}}
     loop = StepLoop(model, lconfig, out_dir, {"kind": "rl-grpo", "tokenizer_sha256": tokenizer.fingerprint}, fields)
     return loop.fit(trainer.step_fn, resume=resume, overwrite=overwrite, on_record=on_record, evaluate=evaluate)
 
