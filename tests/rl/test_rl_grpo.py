@@ -103,3 +103,15 @@ def test_tool_output_tokens_get_no_gradient(rl_tokenizer):
     obs = rl_tokenizer.encode("408", allow_special=False)
     at = [i for i in range(len(ids) - len(obs)) if ids[i:i + len(obs)] == obs]
     assert at and not any(mask[i] for i in range(at[-1], at[-1] + len(obs)))
+
+
+def test_wilson_interval_contains_the_rate():
+    """Also at 0/n and n/n, where rounding once put the bound a hair past the rate (a negative error bar)."""
+    from k3.rl.train import wilson
+
+    for n in (1, 3, 7, 48, 49, 100):
+        for k in range(n + 1):
+            lo, hi = wilson(k, n)
+            assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n, lo, hi)
+    lo, hi = wilson(0, 48)
+    assert lo == 0.0 and hi == pytest.approx(0.0741, abs=1e-4)
