@@ -1,10 +1,10 @@
 """A step loop for post-training (SFT, on-policy distillation): schedule, clip, step, checkpoint, metrics.
 
 The caller gives `step_fn(step) -> dict`, which computes the step's loss (a scalar tensor under `"loss"`)
-and its metrics; the loop does the rest. A step_fn that accumulates gradients itself (micro-batches, to
-bound memory) runs its own backward passes and returns `"backward_done": True` with the loss for the
-record; the loop then only clips and steps with the trainer's parts (`k3.train.optim`, `schedule`,
-`checkpoint`, `metrics`). Everything random in a step must be a pure function of `(seed, step)` (per-step
+and its metrics; the loop does the rest with the trainer's parts (`k3.train.optim`, `schedule`,
+`checkpoint`, `metrics`). A step_fn that accumulates gradients itself (micro-batches, to bound memory)
+runs its own backward passes and returns `"backward_done": True` beside the loss it reports; the loop
+then skips its backward. Everything random in a step must be a pure function of `(seed, step)` (per-step
 generators, not the global RNG), so a run resumed from a checkpoint repeats exactly the steps an
 uninterrupted run would have taken (tested: N steps == N/2, resume, N/2, losses equal).
 """

@@ -247,7 +247,9 @@ class GRPOTrainer:
         for i in range(0, len(rows), m):
             part = rows[i:i + m]
             ids, mask = pad_batch([t.ids for t, _ in part], [t.policy_mask for t, _ in part], PAD_ID)
-            batch["chunks"].append({"ids": ids, "mask": mask[:, 1:], "adv": torch.tensor([a for _, a in part]),
+            mask = mask[:, 1:]
+            batch["chunks"].append({"ids": ids, "mask": mask, "adv": torch.tensor([a for _, a in part]),
+                                    "tokens": int(mask.sum()), "seqs": int((mask.sum(1) > 0).sum()),
                                     "old_logp": None, "ref_logp": None})
         return batch
 
@@ -256,8 +258,8 @@ class GRPOTrainer:
         episodes, each chunk's loss weighted by its share (of sampled tokens, or of sequences), so the
         accumulated gradient is that of the whole batch in one pass."""
         model, cfg = self.model, self.cfg
-        n_tok = sum(int(c["mask"].sum()) for c in b["chunks"])
-        n_seq = sum(int((c["mask"].sum(1) > 0).sum()) for c in b["chunks"])
+        n_tok = sum(c["tokens"] for c in b["chunks"])
+        n_seq = sum(c["seqs"] for c in b["chunks"])
         total, tokens, sums = 0.0, 0, {}
         for c in b["chunks"]:
             logp = token_logprobs(model(c["ids"]), c["ids"])
@@ -268,7 +270,7 @@ class GRPOTrainer:
                     c["ref_logp"] = token_logprobs(self.ref_model(c["ids"]), c["ids"])
             loss, st = grpo_loss(logp, c["old_logp"], c["adv"], c["mask"], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                  ref_logp=c["ref_logp"], beta=cfg.beta, agg=cfg.agg)
-            w = st["tokens"] / n_tok if cfg.agg == "token" else int((c["mask"].sum(1) > 0).sum()) / n_seq
+            w = c["tokens"] / n_tok if cfg.agg == "token" else c["seqs"] / n_seq
             aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
             part = (loss + aux) * w
             part.backward()
@@ -356,7 +358,8 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, min(p, c - h)), min(1.0, max(p, c + h)))  # contains p (rounding at k = 0 or n aside)
+    # clamped to contain p: at k = 0 or n, rounding can put c - h (or c + h) a hair past it
+    return (max(0.0, min(p, c - h)), min(1.0, max(p, c + h)))
 
 
 def write_json(path, obj) -> None:
