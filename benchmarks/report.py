@@ -105,6 +105,16 @@ HEADLINES = {
         ("tokens_per_s", "mini training tokens/s (fp32 CPU)", ""),
         ("mfu", "mini training MFU vs measured fp32 matmul peak", ">= 0.20"),
     ],
+    "gpu": [
+        ("peaks.bf16_matmul_tflops", "GPU bf16 8192^3 matmul TFLOP/s (the ceiling for the rows below)", ""),
+        ("peaks.fp32_matmul_tflops", "GPU fp32 8192^3 matmul TFLOP/s (tf32 off)", ""),
+        ("peaks.copy_tb_per_s", "GPU device-to-device copy TB/s (read + write)", ""),
+        ("moe_speed.mini_layer.speedup_vs_loop", "GPU MoE layer fwd+bwd bf16, grouped vs per-expert loop (mini, 4096 tokens)", ">= 3x"),
+        ("moe_speed.k3_width_experts.grouped.fwd_bwd_tflops", "GPU routed experts fwd+bwd TFLOP/s at k3 widths (32 experts, top-4)", ""),
+        ("kda_check.dispatch_default.o_rel_err", "GPU fla Triton chunk_kda output vs fp64 naive recurrence (rel)", "<= 1e-3"),
+        ("kda_speed.B8_T8192_H16_K128_V128.fla_triton_over_k3_torch_fwd_bwd.bfloat16", "GPU KDA fwd+bwd, k3 torch chunk time / fla Triton time (B8 T8192 H16 bf16)", ""),
+        ("model_check.tiny_prefill_decode_vs_full_max_abs", "GPU tiny prefill + decode vs full forward, max abs logit diff", "<= 1e-4"),
+    ],
     "rl_probe": [
         ("patterns.KKKM.condition.over_chance", "tiny KKKM from scratch: answer loss / chance, class marker 20 tokens back", ""),
         ("patterns.MKKK.condition.over_chance", "tiny MKKK: the same conditioning probe", ""),
@@ -133,7 +143,7 @@ def fmt(v) -> str:
 
 def machine_line(d: dict) -> str:
     m = d.get("machine", {})
-    bits = [str(m.get(k)) for k in ("platform", "cpu_count", "cpus") if m.get(k) is not None]
+    bits = [str(m.get(k)) for k in ("platform", "cpu_count", "cpus", "cuda") if m.get(k) is not None]
     torch_v = d.get("torch") or m.get("torch")
     if torch_v:
         bits.append(f"torch {torch_v}")

@@ -69,3 +69,23 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
                  "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q",
                  "--resume"]) == 0
     assert [r["step"] for r in read_metrics(m / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+
+
+def test_teachers_take_their_own_lr_and_checkpoint_every(tmp_path, domain_tokenizer, monkeypatch):
+    """--teacher-lr sets the teachers' peak lr apart from the base's; --ckpt-every saves inside a stage."""
+    from k3.distill.loop import StepLoop
+
+    saves, real_save = [], StepLoop.save
+    monkeypatch.setattr(StepLoop, "save", lambda self: saves.append((self.ckpt_dir.parent.name, self.step))
+                        or real_save(self))
+    t = tmp_path / "teachers"
+    assert main(["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+                 str(domain_tokenizer.path), "--out", str(t), "--cells", "arith/low", "--base-steps", "3",
+                 "--steps", "3", "--lr", "3e-3", "--teacher-lr", "5e-4", "--warmup-steps", "0", "--ckpt-every", "2",
+                 "--batch-size", "2", "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]) == 0
+    info = json.loads((t / "teachers.json").read_text())
+    assert (info["lr"], info["teacher_lr"]) == (3e-3, 5e-4)
+    lrs = {name: max(r["lr"] for r in read_metrics(t / name / "metrics.jsonl") if r["kind"] == "train")
+           for name in ("base", "arith-low")}
+    assert lrs["base"] == 3e-3 and lrs["arith-low"] == 5e-4
+    assert saves == [("base", 2), ("base", 3), ("arith-low", 2), ("arith-low", 3)]

@@ -272,3 +272,18 @@ def test_errors_name_the_expected_shape():
         ex(torch.randn(3, 8), torch.ones(3, 2), torch.zeros(2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="backend"):
         grouped_swiglu(torch.randn(2, 8), torch.tensor([1, 1, 0, 0]), ex.w1, ex.w3, ex.w2, "cuda_magic")
+
+
+def test_grouped_mm_takes_bf16_tokens_with_fp32_weights():
+    """Under autocast the tokens reach the experts in bf16 while the weights stay fp32 parameters:
+    the grouped_mm backend casts the weights (as autocast would) instead of failing on mixed dtypes."""
+    from k3.model.moe import grouped_swiglu
+
+    torch.manual_seed(0)
+    x = torch.randn(10, 16).bfloat16()
+    w1, w3, w2 = torch.randn(3, 16, 8), torch.randn(3, 16, 8), torch.randn(3, 8, 16)
+    counts = torch.tensor([3, 0, 7])
+    got = grouped_swiglu(x, counts, w1, w3, w2, "grouped_mm")
+    want = grouped_swiglu(x, counts, w1.bfloat16(), w3.bfloat16(), w2.bfloat16(), "slices")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)

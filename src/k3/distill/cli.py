@@ -134,11 +134,13 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         raise ValueError(f"{info_path} has budgets {info.get('budgets')}, not {budgets}; pass the same --budgets, "
                          "--overwrite, or another --out")
 
-    def lc(steps: int) -> LoopConfig:
-        return LoopConfig(steps=steps, lr=args.lr, warmup_steps=min(args.warmup_steps, steps), seed=args.seed,
-                          keep_last=1, weight_decay=0.0)
+    teacher_lr = args.lr if args.teacher_lr is None else args.teacher_lr
 
-    def stage(name: str, model, examples, steps: int, stage_extra: dict) -> None:
+    def lc(steps: int, lr: float) -> LoopConfig:
+        return LoopConfig(steps=steps, lr=lr, warmup_steps=min(args.warmup_steps, steps), seed=args.seed,
+                          keep_last=1, weight_decay=0.0, ckpt_every=args.ckpt_every)
+
+    def stage(name: str, model, examples, steps: int, lr: float, stage_extra: dict) -> None:
         run = out / name
         latest = ckpt.latest_checkpoint(run / "checkpoint")
         if latest is not None and not args.overwrite:
@@ -152,7 +154,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
                                  "continue it or --overwrite to start over")
         bar = _Bar(steps, name, not args.quiet, keys=("loss",))
         try:
-            records = run_sft(model, examples, lc(steps), run, resume=latest is not None and args.resume
+            records = run_sft(model, examples, lc(steps, lr), run, resume=latest is not None and args.resume
                               and not args.overwrite, overwrite=args.overwrite,
                               manifest_extra={**extra, **stage_extra}, on_record=bar,
                               resume_fields={"batch_size": args.batch_size, **stage_extra})
@@ -173,7 +175,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
             out_.append(sft_example(domains[d], domains[d].sample(rng), e, tok, budgets))
         return out_
 
-    stage("base", base, base_examples, args.base_steps, {"cell": "all"})
+    stage("base", base, base_examples, args.base_steps, args.lr, {"cell": "all"})
     listed = dict(info.get("teachers", {}))
     for d, e in cells:
         name = f"{d}-{e}"
@@ -183,14 +185,15 @@ def cmd_teachers(args: argparse.Namespace) -> int:
             return [sft_example(domains[d], domains[d].sample(problem_rng("sft", args.seed, d, e, step, j)), e, tok,
                                 budgets) for j in range(args.batch_size)]
 
-        stage(name, teacher, examples, args.steps, {"cell": cell_name(d, e)})
+        stage(name, teacher, examples, args.steps, teacher_lr, {"cell": cell_name(d, e)})
         listed[cell_name(d, e)] = name
         atomic_write_json(info_path, {"format": TEACHERS_FORMAT, "tokenizer": "tokenizer.json",
                                       "tokenizer_sha256": tok.fingerprint, "budgets": budgets,
                                       "config": config.to_dict(), "base": "base",
                                       "teachers": dict(sorted(listed.items())),
                                       "steps": {"base": args.base_steps, "teacher": args.steps},
-                                      "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed})
+                                      "batch_size": args.batch_size, "lr": args.lr, "teacher_lr": teacher_lr,
+                                      "seed": args.seed})
     print(f"teachers   {info_path} ({len(listed)} cells)")
     return 0
 
@@ -405,8 +408,12 @@ def register(sub) -> None:
     p.add_argument("--base-steps", type=int, default=300, help="SFT steps of the shared base (default 300)")
     p.add_argument("--steps", type=int, default=150, help="SFT steps per teacher, from the base (default 150)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the base (default 3e-3)")
+    p.add_argument("--teacher-lr", type=float, default=None,
+                   help="peak learning rate of each teacher's fine-tune (default: --lr)")
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint every N steps of a stage, for --resume after a stop (default 0: at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--resume", action="store_true", help="continue partially trained stages")

@@ -225,6 +225,8 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     if backend == "auto":
         backend = _grouped_backend(x, counts)
     if backend == "grouped_mm":
+        # torch._grouped_mm wants one dtype; under autocast x arrives in bf16 while the weights are fp32
+        w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
         offs = counts.cumsum(0).to(torch.int32)
         h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
         return torch._grouped_mm(act(h), w2, offs=offs)

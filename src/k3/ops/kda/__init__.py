@@ -101,7 +101,10 @@ def kda(
             x is not None and x.requires_grad for x in (*args, initial_state)
         )
         fn = fla_recurrent if q.shape[1] <= RECURRENT_MAX_T and not needs_grad else fla_chunk
-        return fn(*args, **kwargs)
+        # the Triton kernels take q, k, v, beta in one dtype (under autocast the L2-normalised q, k come out
+        # fp32 and v bf16); the log-decay g stays fp32, as fla's own layers keep it
+        q, k, beta = (x.to(v.dtype) for x in (q, k, beta))
+        return fn(q, k, v, g.float(), beta, **kwargs)
     fns = {"naive": naive_recurrent_kda, "chunk": chunk_kda, "recurrent": fused_recurrent_kda}
     if impl not in fns:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")

@@ -1,0 +1,444 @@
+"""GPU checks and timings in one run: what the CPU suite cannot show (fla's Triton KDA, torch._grouped_mm,
+MX on the device, a training step under bf16 autocast).
+
+    python benchmarks/gpu.py --json [--out FILE]      # on a CUDA machine; writes runs/bench/gpu.json
+    python benchmarks/gpu.py --device cpu --quick     # dry run of the script's logic (small shapes)
+
+Each section runs in its own process under a time limit (`--section-timeout`) and records its own error or
+timeout instead of stopping the run; the sections that need fla's Triton kernels (which compile and autotune
+on first use) run last. Sections:
+- peaks: bf16 and fp32 (tf32 off) matmul rates and device-to-device copy bandwidth, the ceilings below.
+- kda_check: fla's Triton `chunk_kda` (what `k3.ops.kda.kda` dispatches to on CUDA) and k3's pure-torch
+  `chunk_kda` on the device, forward, final state and gradients, against k3's naive recurrence in fp64.
+- kda_speed: forward and forward+backward times of fla Triton, k3 torch chunk and fla naive_chunk.
+- moe_check / moe_speed: the MoE layer at mini widths in bf16, grouped (torch._grouped_mm) vs the
+  per-expert loop, outputs against an fp32 reference; and routed experts at the full k3 widths
+  (latent 3584, ffn 3072; 32 experts on one GPU, as under expert parallelism) as a fraction of bf16 peak.
+- model_check: the tiny model on the device: prefill + single-token decode (fla's fused recurrent KDA, the
+  MLA latent cache) equals one full forward; the mini model's logits on the device equal the CPU's.
+- mx: k3's MX quantizer on the device, bit-exact against torchao's to_mx, and its speed against it.
+Timings are CUDA-event medians after warm-up. Speed ratios come from the same process run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from k3.benchtools import bench_out, machine, write_result
+
+
+def cuda_ms(fn, reps: int, warm: int = 3, device=None) -> dict:
+    """Median / min milliseconds of fn() over reps (CUDA events on a GPU, perf_counter on CPU)."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    cuda = device is not None and device.type == "cuda"
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(1e3 * (time.perf_counter() - t0))
+    return {"median_ms": statistics.median(ts), "min_ms": min(ts), "reps": reps}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64 (NaN anywhere gives inf)."""
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def section(results: dict, name: str, fn, dev, quick) -> None:
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn(dev, quick)
+    except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+    results[name]["section_s"] = round(time.perf_counter() - t0, 2)
+    if dev.type == "cuda":
+        results[name]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(f"[{name}] {time.perf_counter() - t0:.1f}s {'ERROR ' + results[name]['error'] if 'error' in results[name] else 'ok'}",
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- peaks
+def peaks(dev, quick):
+    n = 1024 if quick else 8192
+    out = {}
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        if dev.type == "cpu" and dt == torch.bfloat16:
+            continue
+        a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+        t = cuda_ms(lambda: a @ b, 5 if quick else 20, device=dev)
+        out[f"{name}_matmul_tflops"] = 2 * n**3 / (t["median_ms"] * 1e-3) / 1e12
+    if dev.type == "cuda":
+        x = torch.empty(2**30 if not quick else 2**24, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        t = cuda_ms(lambda: y.copy_(x), 20, device=dev)
+        out["copy_tb_per_s"] = 2 * x.numel() / (t["median_ms"] * 1e-3) / 1e12
+    out["n"] = n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- KDA
+def kda_inputs(B, T, H, K, V, dev, dtype, grad=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g)
+    gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g))
+    beta = torch.rand(B, T, H, generator=g)
+    h0 = 0.1 * torch.randn(B, H, K, V, generator=g)
+    xs = [x.to(dev, dtype).requires_grad_(grad) for x in (q, k, v, gate, beta)]
+    return xs, h0.to(dev, torch.float32)
+
+
+def kda_check(dev, quick):
+    from k3.ops.kda import chunk_kda, choose_impl, kda, naive_recurrent_kda
+
+    B, T, H, K, V = (1, 200, 2, 32, 32) if quick else (2, 1000, 4, 128, 128)  # T not a multiple of 64
+    xs, h0 = kda_inputs(B, T, H, K, V, dev, torch.float32, grad=True)
+    w = torch.randn(B, T, H, V, device=dev)
+    ref_in = [x.detach().double().requires_grad_() for x in xs]
+    o_ref, s_ref = naive_recurrent_kda(*ref_in, initial_state=h0.double(), output_final_state=True)
+    (o_ref * w.double()).sum().backward()
+    g_ref = [x.grad for x in ref_in]
+    out = {"shape": [B, T, H, K, V], "dispatch": choose_impl(xs[0])}
+    impls = {"k3_torch_chunk": lambda *a, **kw: chunk_kda(*a, **kw)}
+    if dev.type == "cuda":
+        impls["dispatch_default"] = lambda *a, **kw: kda(*a, **kw)  # fla's Triton chunk_kda when fla is there
+    for name, fn in impls.items():
+        for x in xs:
+            x.grad = None
+        t0 = time.perf_counter()
+        o, s = fn(*xs, initial_state=h0.clone(), output_final_state=True)
+        (o * w).sum().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out[name] = {"first_call_s": time.perf_counter() - t0,"o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref),
+                     "grad_rel_err": {n: rel(x.grad, gr) for n, x, gr in zip("q k v g beta".split(), xs, g_ref)}}
+    if dev.type == "cuda":  # bf16 inputs through fla, as training under autocast feeds it
+        xb = [x.detach().bfloat16() for x in xs]
+        with torch.no_grad():
+            o, s = kda(*xb, initial_state=h0.clone(), output_final_state=True)
+        out["dispatch_bf16_inputs"] = {"o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref)}
+        # decode: one token at a time through the default dispatch (fla fused_recurrent) from the state
+        with torch.no_grad():
+            state, steps = h0.clone(), []
+            for t in range(min(T, 64)):
+                o_t, state = kda(*[x.detach()[:, t:t + 1] for x in xs], initial_state=state,
+                                 output_final_state=True)
+                steps.append(o_t)
+        out["decode_64_steps_o_rel_err"] = rel(torch.cat(steps, 1), o_ref[:, :len(steps)])
+    return out
+
+
+def kda_speed(dev, quick):
+    from fla.ops.kda.naive import naive_chunk_kda
+
+    from k3.ops.kda import chunk_kda, kda
+
+    shapes = [(1, 512, 2, 64, 64)] if quick else [(1, 4096, 4, 128, 128), (8, 8192, 16, 128, 128)]
+    out = {}
+    for shape in shapes:
+        B, T, H, K, V = shape
+        row = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            if dev.type == "cpu" and dtype == torch.bfloat16:
+                continue
+            contenders = {"k3_torch_chunk": chunk_kda}
+            if dev.type == "cuda":
+                contenders["fla_triton_chunk"] = lambda *a: kda(*a, impl="fla")
+            if T * B <= 4096:  # fla's naive chunk form is a Python loop over chunks: the small shape only
+                contenders["fla_naive_chunk"] = naive_chunk_kda
+            for name, fn in contenders.items():
+                xs, _ = kda_inputs(B, T, H, K, V, dev, dtype, grad=True)
+                w = torch.randn(B, T, H, V, device=dev, dtype=dtype)
+
+                def fwd():
+                    with torch.no_grad():
+                        fn(*xs)
+
+                def fwd_bwd():
+                    for x in xs:
+                        x.grad = None
+                    o = fn(*xs)[0]
+                    (o * w).sum().backward()
+
+                reps = 3 if quick or name == "fla_naive_chunk" else 10
+                f = cuda_ms(fwd, reps, warm=2, device=dev)
+                fb = cuda_ms(fwd_bwd, reps, warm=2, device=dev)
+                row[f"{name}.{str(dtype)[6:]}"] = {"forward_ms": f["median_ms"], "fwd_bwd_ms": fb["median_ms"],
+                                                   "forward_tokens_per_s": B * T / (f["median_ms"] * 1e-3)}
+        for dt in ("float32", "bfloat16"):
+            fla_, ours = row.get(f"fla_triton_chunk.{dt}"), row.get(f"k3_torch_chunk.{dt}")
+            if fla_ and ours:
+                row[f"fla_triton_over_k3_torch_forward.{dt}"] = ours["forward_ms"] / fla_["forward_ms"]
+                row[f"fla_triton_over_k3_torch_fwd_bwd.{dt}"] = ours["fwd_bwd_ms"] / fla_["fwd_bwd_ms"]
+        naive, ours = row.get("fla_naive_chunk.float32"), row.get("k3_torch_chunk.float32")
+        if naive and ours:
+            row["k3_torch_chunk_speedup_vs_fla_naive_chunk.float32"] = naive["forward_ms"] / ours["forward_ms"]
+        out["B{}_T{}_H{}_K{}_V{}".format(*shape)] = row
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+def moe_check(dev, quick):
+    from k3.config import get_config
+    from k3.model.moe import MoE
+
+    cfg = get_config("tiny" if quick else "mini")
+    torch.manual_seed(0)
+    moe = MoE(cfg).to(dev)
+    N = 512 if quick else 4096
+    x = torch.randn(1, N, cfg.d_model, device=dev)
+    out = {}
+    with torch.no_grad():
+        moe.impl = "loop"
+        ref = moe(x)  # fp32 loop: the reference (the naive per-token form is checked against it on CPU)
+        mb = moe.to(torch.bfloat16)
+        for impl in ("grouped", "loop"):
+            mb.impl = impl
+            out[f"{impl}_bf16_rel_err_vs_fp32_loop"] = rel(mb(x.bfloat16()), ref)
+        moe.float()
+    # gradients: grouped bf16 vs fp32 loop
+    grads = {}
+    for impl, dt in (("loop", torch.float32), ("loop_bf16", torch.bfloat16), ("grouped", torch.bfloat16)):
+        m = moe.to(dt)
+        m.impl = impl.split("_")[0]
+        m.zero_grad(set_to_none=True)
+        xi = x.detach().to(dt).requires_grad_()
+        (m(xi).float() * 1.0).pow(2).mean().backward()
+        grads[impl] = {"x": xi.grad.float().clone(), "w1": m.experts.w1.grad.float().clone(),
+                       "w_down": m.w_down.weight.grad.float().clone() if m.latent else None}
+    moe.float()
+    out["grouped_bf16_grad_rel_err_vs_fp32_loop"] = {
+        k: rel(grads["grouped"][k], grads["loop"][k]) for k in grads["loop"] if grads["loop"][k] is not None}
+    # the same routing and dtype: grouped and loop differ only in summation order
+    out["grouped_bf16_grad_rel_err_vs_bf16_loop"] = {
+        k: rel(grads["grouped"][k], grads["loop_bf16"][k]) for k in grads["loop"] if grads["loop"][k] is not None}
+    from k3.model.moe import _grouped_backend
+    out["auto_backend_bf16"] = _grouped_backend(x.bfloat16().view(N, -1), torch.ones(cfg.n_experts, dtype=torch.long))
+    return out
+
+
+def moe_speed(dev, quick):
+    from k3.config import get_config
+    from k3.model.moe import MoE, RoutedExperts
+
+    out = {}
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = get_config("tiny" if quick else "mini")
+    torch.manual_seed(0)
+    moe = MoE(cfg).to(dev, dt)
+    N = 512 if quick else 4096
+    x = torch.randn(1, N, cfg.d_model, device=dev, dtype=dt)
+    dy = torch.randn_like(x)
+    layer = {}
+    backends = ["auto", "bmm", "slices"] + (["grouped_mm"] if dev.type == "cuda" else [])
+    for impl, backend in [("loop", "auto")] + [("grouped", b) for b in backends]:
+        moe.impl, moe.experts.backend = impl, backend
+
+        def fwd():
+            with torch.no_grad():
+                moe(x)
+
+        def fwd_bwd():
+            moe.zero_grad(set_to_none=True)
+            moe(x.detach().requires_grad_()).backward(dy)
+
+        layer[f"{impl}.{backend}"] = {"forward_ms": cuda_ms(fwd, 10, device=dev)["median_ms"],
+                                      "fwd_bwd_ms": cuda_ms(fwd_bwd, 10, device=dev)["median_ms"]}
+    loop = layer["loop.auto"]
+    for k, v in layer.items():
+        v["forward_speedup_vs_loop"] = loop["forward_ms"] / v["forward_ms"]
+        v["fwd_bwd_speedup_vs_loop"] = loop["fwd_bwd_ms"] / v["fwd_bwd_ms"]
+    out["mini_layer"] = {"tokens": N, "dtype": str(dt), "n_experts": cfg.n_experts, "top_k": cfg.n_active_experts,
+                         "speedup_vs_loop": layer["grouped.auto"]["fwd_bwd_speedup_vs_loop"], "impls": layer}
+    # full-width routed experts: 32 local experts (896 over 28 EP ranks), latent 3584, ffn 3072
+    E, dim, ffn, k = (8, 256, 128, 2) if quick else (32, 3584, 3072, 4)
+    Nk = 1024 if quick else 16384
+    ex = RoutedExperts(E, dim, ffn).to(dev, dt)
+    z = torch.randn(Nk, dim, device=dev, dtype=dt)
+    experts = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(Nk)])
+    weights = torch.softmax(torch.randn(Nk, k, device=dev), -1)
+    flops = 3 * 2 * Nk * k * dim * ffn
+    res = {"experts": E, "dim": dim, "ffn": ffn, "tokens": Nk, "top_k": k, "forward_flops": flops}
+    for impl in ("grouped", "loop"):
+        ex.impl = impl
+
+        def fwd():
+            with torch.no_grad():
+                ex(z, weights, experts)
+
+        def fwd_bwd():
+            ex.zero_grad(set_to_none=True)
+            ex(z.detach().requires_grad_(), weights, experts).float().sum().backward()
+
+        f, fb = cuda_ms(fwd, 10, device=dev), cuda_ms(fwd_bwd, 10, device=dev)
+        res[impl] = {"forward_ms": f["median_ms"], "fwd_bwd_ms": fb["median_ms"],
+                     "forward_tflops": flops / (f["median_ms"] * 1e-3) / 1e12,
+                     "fwd_bwd_tflops": 3 * flops / (fb["median_ms"] * 1e-3) / 1e12}
+    res["grouped_fwd_bwd_speedup_vs_loop"] = res["loop"]["fwd_bwd_ms"] / res["grouped"]["fwd_bwd_ms"]
+    out["k3_width_experts"] = res
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model
+def model_check(dev, quick):
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+
+    out = {}
+    torch.manual_seed(0)
+    m = K3Model(get_config("tiny")).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2 and "attnres" not in name:
+                p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
+    m = m.to(dev)
+    ids = torch.randint(0, m.config.vocab_size, (2, 90), device=dev)
+    with torch.no_grad():
+        full = m(ids)
+        cache = m.new_cache()
+        steps = [m(ids[:, :70], cache)] + [m(ids[:, t:t + 1], cache) for t in range(70, 90)]
+    out["tiny_prefill_decode_vs_full_max_abs"] = (torch.cat(steps, 1) - full).abs().max().item()
+    out["tiny_full_logits_max_abs"] = full.abs().max().item()
+    out["tiny_cache_nbytes"] = cache.nbytes()
+    torch.manual_seed(0)
+    mm = K3Model(get_config("tiny" if quick else "mini")).eval()
+    ids = torch.randint(0, mm.config.vocab_size, (2, 300))
+    with torch.no_grad():
+        cpu = mm(ids)
+        gpu = mm.to(dev)(ids.to(dev)).cpu()
+    out["mini_device_vs_cpu_logits_rel_err"] = rel(gpu, cpu)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- MX
+def mx(dev, quick):
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    from k3.ops.mx import quantize_mx
+
+    n = 1024 if quick else 8192
+    out = {}
+    x = torch.randn(n, n, device=dev) * torch.logspace(-6, 6, n, device=dev)[:, None]
+    special = x[:64].clone()
+    special[0] = 0
+    special[1, ::7] = float("nan")
+    special[2, ::5] = float("inf")
+    special[3] *= 1e-40
+    for fmt, dt in (("mxfp4", torch.float4_e2m1fn_x2), ("mxfp8", torch.float8_e4m3fn)):
+        row = {}
+        for name, t in (("random", x), ("special", special)):
+            codes, scales = quantize_mx(t, fmt)
+            s_ref, d_ref = to_mx(t.contiguous(), dt, 32)
+            d_ref = d_ref.view(torch.uint8)
+            if fmt == "mxfp4":  # torchao packs two codes per byte: compare unpacked codes
+                d_ref = torch.stack([d_ref & 15, d_ref >> 4], -1).flatten(-2)
+            row[f"{name}_scale_mismatches"] = int((scales != s_ref.view(torch.uint8).view(scales.shape)).sum())
+            row[f"{name}_code_mismatches"] = int((codes != d_ref.view(codes.shape)).sum())
+        ours = cuda_ms(lambda: quantize_mx(x, fmt), 10, device=dev)["median_ms"]
+        theirs = cuda_ms(lambda: to_mx(x, dt, 32), 10, device=dev)["median_ms"]
+        row.update({"k3_ms": ours, "torchao_ms": theirs, "speedup_vs_torchao_to_mx": theirs / ours,
+                    "k3_gb_per_s_read": x.numel() * 4 / (ours * 1e-3) / 1e9})
+        out[fmt] = row
+    out["shape"] = [n, n]
+    return out
+
+
+SECTIONS = {"peaks": peaks, "moe_check": moe_check, "moe_speed": moe_speed, "mx": mx,
+            # the sections below go through fla's Triton kernels, which compile (and autotune) on first use
+            "kda_check": kda_check, "model_check": model_check, "kda_speed": kda_speed}
+
+
+def run_isolated(name: str, args, timeout: float) -> dict:
+    """One section in a child process with a wall-clock limit, so a section that hangs or spends its time
+    compiling kernels costs its own limit, not the rest of the run."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        part = f"{tmp}/{name}.json"
+        cmd = [sys.executable, __file__, "--only", name, "--device", args.device, "--part", part]
+        if args.quick:
+            cmd.append("--quick")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")[-1500:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            print(f"[{name}] TIMEOUT after {timeout:.0f}s", flush=True)
+            return {"error": f"timeout: the section did not finish in {timeout:.0f} s", "stderr_tail": tail}
+        try:
+            with open(part) as f:
+                return json.load(f)[name]
+        except (OSError, ValueError, KeyError):
+            return {"error": f"child exited {proc.returncode} without a result", "stderr_tail": proc.stderr[-1500:],
+                    "section_s": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="small shapes")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    ap.add_argument("--out", default=None, help="also write the JSON here (after every section)")
+    ap.add_argument("--only", default=None, help="comma-separated sections to run: " + ",".join(SECTIONS))
+    ap.add_argument("--section-timeout", type=float, default=120.0,
+                    help="seconds each section may take; each runs in its own process (default 120)")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # child mode: write the sections here
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu.py: no CUDA device here; run with --device cpu --quick for a dry run")
+    wanted = args.only.split(",") if args.only else list(SECTIONS)
+    unknown = [w for w in wanted if w not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"gpu.py: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if args.part:  # child: run the sections in this process
+        results = {}
+        for name in wanted:
+            section(results, name, SECTIONS[name], dev, args.quick)
+        write_result(args.part, results)
+        return results
+    results = {"benchmark": "gpu", "quick": args.quick, "device": str(dev),
+               "machine": machine(cuda_capability=list(torch.cuda.get_device_capability()) if dev.type == "cuda" else None)}
+    for lib in ("fla", "torchao", "triton"):
+        try:
+            results["machine"][lib] = __import__(lib).__version__
+        except Exception as e:  # noqa: BLE001
+            results["machine"][lib] = f"unavailable: {e}"
+    for name in wanted:
+        results[name] = run_isolated(name, args, args.section_timeout)
+        if "error" not in results[name]:
+            print(f"[{name}] {results[name].get('section_s', '?')}s ok", flush=True)
+        if args.out:  # what finished survives a run cut short
+            write_result(args.out, results)
+    write_result(bench_out("gpu", args.quick or dev.type != "cuda"), results, args.json)
+    if args.out:
+        write_result(args.out, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
