@@ -1,7 +1,7 @@
 """GPU checks and timings in one run: what the CPU suite cannot show (fla's Triton KDA, torch._grouped_mm,
 MX on the device, a training step under bf16 autocast).
 
-    python benchmarks/gpu.py --json [--out FILE]      # on a CUDA machine; writes runs/bench/gpu.json
+    python benchmarks/gpu.py --json [--out FILE]      # on a CUDA machine; writes runs/bench/gpu.json or FILE
     python benchmarks/gpu.py --device cpu --quick     # dry run of the script's logic (small shapes)
 
 Each section runs in its own process under a time limit (`--section-timeout`) and records its own error or
@@ -400,7 +400,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shapes")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
-    ap.add_argument("--out", default=None, help="also write the JSON here (after every section)")
+    ap.add_argument("--out", default=None,
+                    help="write the JSON here, after every section (default runs/bench/gpu.json; quick or CPU "
+                         "runs: runs/bench/quick/gpu.json)")
     ap.add_argument("--only", default=None, help="comma-separated sections to run: " + ",".join(SECTIONS))
     ap.add_argument("--section-timeout", type=float, default=120.0,
                     help="seconds each section may take; each runs in its own process (default 120)")
@@ -434,9 +436,7 @@ def main(argv=None) -> dict:
             print(f"[{name}] {results[name].get('section_s', '?')}s ok", flush=True)
         if args.out:  # what finished survives a run cut short
             write_result(args.out, results)
-    write_result(bench_out("gpu", args.quick or dev.type != "cuda"), results, args.json)
-    if args.out:
-        write_result(args.out, results)
+    write_result(args.out or bench_out("gpu", args.quick or dev.type != "cuda"), results, args.json)
     return results
 
 
