@@ -119,6 +119,27 @@ def test_auto_sub_chunk_size_follows_the_decay():
             assert rel_err(gr, gref) < TOL, (sub, x)
 
 
+@pytest.mark.parametrize("decay", ["mild", "strong"])
+@pytest.mark.parametrize("block", [1, 3, None])
+def test_chunk_blocks_match_naive_fwd_bwd(decay, block):
+    """Chunks in blocks (the state handed from block to block; 5 chunks here, so blocks of 1 and 3 split them
+    and the CPU default of 8 does not) compute what the naive recurrence does, gradients included, and
+    what all chunks at once (chunk_block=0) compute."""
+    inputs = make_inputs(T=300, decay=decay)
+    w_o, w_s = torch.randn(2, 300, 2, 24), torch.randn(2, 2, 16, 24)
+    ref = run_with_grads(naive_recurrent_kda, inputs, w_o, w_s)
+    got = run_with_grads(chunk_kda, inputs, w_o, w_s, chunk_size=64, chunk_block=block)
+    whole = run_with_grads(chunk_kda, inputs, w_o, w_s, chunk_size=64, chunk_block=0)
+    for a, b, c in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]], [whole[0], whole[1], *whole[2]]):
+        assert rel_err(a, b) < TOL and rel_err(a, c) < TOL
+
+
+def test_chunk_block_must_be_a_count():
+    q, k, v, g, beta, _ = make_inputs(T=70)
+    with pytest.raises(ValueError, match="chunk_block"):
+        chunk_kda(q, k, v, g, beta, chunk_block=-1)
+
+
 def test_chunk_no_grad_loop_equals_autograd_loop():
     """Without autograd the sequential part writes into preallocated buffers; it must compute bit for bit
     what the autograd path (lists + stack) computes."""
