@@ -21,10 +21,11 @@ For columns in earlier sub-chunks the second factor is <= 1 (and is formed as ex
 exp(end_b - Gamma_i), two factors <= 1). rho_a is the middle of sub-chunk a when both halves decay by at
 most `max_exponent` (so every factor is <= exp(max_exponent)); otherwise rho_a is its start (every
 off-diagonal factor <= 1) and that sub-chunk's diagonal block is formed exactly, element by element.
-Chunks are processed in blocks (`chunk_block`, 8 on CPU): each block's layouts and intermediates stay in
-cache, and only the [K, V] state passes from one block to the next.
 The price of a factor exp(x) is a relative error of about |x| * eps: at most ~2e-6 in fp32 with the
 default max_exponent = 30, reached only under strong decay (measured: <= 4e-6 on outputs at g ~ U(-5, 0)).
+
+Chunks are processed in blocks (`chunk_block`, 8 on CPU): each block's layouts and intermediates stay in
+cache, and only the [K, V] state passes from one block to the next.
 """
 from __future__ import annotations
 
