@@ -1,20 +1,13 @@
 """benchmarks/gpu.py runs its sections in child processes under a time limit; a dry run on the CPU checks the
 script's own logic (the CUDA-only parts are skipped there), and a too-short limit is reported, not hung on."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def gpu_bench(load_benchmark):
+    return load_benchmark("gpu")
 
 
 def test_dry_run_on_cpu_checks_kda_and_moe(gpu_bench, tmp_path):

@@ -1,19 +1,12 @@
 """benchmarks/qat.py: the per-seed statistics and verdict, and a --quick smoke run of the whole script."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def qat_bench():
-    spec = importlib.util.spec_from_file_location("qat_bench", ROOT / "benchmarks" / "qat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def qat_bench(load_benchmark):
+    return load_benchmark("qat")
 
 
 def test_summarize_means_and_verdicts(qat_bench):
