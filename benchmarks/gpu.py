@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import traceback
 
@@ -30,6 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from k3.benchtools import bench_out, machine, write_result
+
+
+def progress(msg: str) -> None:
+    """A line on stderr with the time: a section cut off by its limit leaves these in its stderr_tail."""
+    print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
 
 def cuda_ms(fn, reps: int, warm: int = 3, device=None) -> dict:
@@ -123,6 +129,7 @@ def kda_check(dev, quick):
     for name, fn in impls.items():
         for x in xs:
             x.grad = None
+        progress(f"kda_check: {name} first call (fla compiles its kernels here)")
         t0 = time.perf_counter()
         o, s = fn(*xs, initial_state=h0.clone(), output_final_state=True)
         (o * w).sum().backward()
@@ -165,6 +172,7 @@ def kda_speed(dev, quick):
             if T * B <= 4096:  # fla's naive chunk form is a Python loop over chunks: the small shape only
                 contenders["fla_naive_chunk"] = naive_chunk_kda
             for name, fn in contenders.items():
+                progress(f"kda_speed: {name} {dtype} {shape}")
                 xs, _ = kda_inputs(B, T, H, K, V, dev, dtype, grad=True)
                 w = torch.randn(B, T, H, V, device=dev, dtype=dtype)
 
@@ -310,6 +318,7 @@ def model_check(dev, quick):
             if p.dim() >= 2 and "attnres" not in name:
                 p.normal_(0, 1.0 / p.shape[-1] ** 0.5)
     m = m.to(dev)
+    progress("model_check: tiny prefill + decode")
     ids = torch.randint(0, m.config.vocab_size, (2, 90), device=dev)
     with torch.no_grad():
         full = m(ids)
