@@ -57,6 +57,10 @@ HEADLINES = {
         ("settings.harsh_head.recovery", "QAT recovery, every linear incl. head W4A8", ">= 0.8"),
         ("settings.harsh_head.verdict", "recovery target, every linear W4A8", "met"),
     ],
+    "qat-harsh-start0.9": [
+        ("settings.harsh.qat_gap", "QAT (last 10% of the budget) val loss - fp32, all block linears W4A8 (nats, 8 seeds)", ""),
+        ("settings.harsh.recovery", "QAT recovery, all block linears W4A8, QAT for the last 10%", ">= 0.8"),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
