@@ -379,6 +379,7 @@ def run_isolated(name: str, args, timeout: float) -> dict:
     """One section in a child process with a wall-clock limit, so a section that hangs or spends its time
     compiling kernels costs its own limit, not the rest of the run."""
     import json
+    import os
     import subprocess
     import sys
     import tempfile
@@ -390,7 +391,9 @@ def run_isolated(name: str, args, timeout: float) -> dict:
             cmd.append("--quick")
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            # Triton reports each autotuning result, so a section that times out shows whether it was tuning
+            env = {**os.environ, "TRITON_PRINT_AUTOTUNING": os.environ.get("TRITON_PRINT_AUTOTUNING", "1")}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired as e:
             tail = (e.stderr or b"")[-1500:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
