@@ -395,7 +395,7 @@ def run_isolated(name: str, args, timeout: float) -> dict:
             env = {**os.environ, "TRITON_PRINT_AUTOTUNING": os.environ.get("TRITON_PRINT_AUTOTUNING", "1")}
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired as e:
-            tail = (e.stderr or b"")[-1500:]
+            tail = (e.stderr or b"")[-4000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
             print(f"[{name}] TIMEOUT after {timeout:.0f}s", flush=True)
             return {"error": f"timeout: the section did not finish in {timeout:.0f} s", "stderr_tail": tail}
@@ -403,7 +403,7 @@ def run_isolated(name: str, args, timeout: float) -> dict:
             with open(part) as f:
                 return json.load(f)[name]
         except (OSError, ValueError, KeyError):
-            return {"error": f"child exited {proc.returncode} without a result", "stderr_tail": proc.stderr[-1500:],
+            return {"error": f"child exited {proc.returncode} without a result", "stderr_tail": proc.stderr[-4000:],
                     "section_s": round(time.perf_counter() - t0, 2)}
 
 
