@@ -229,7 +229,7 @@ def moe_check(dev, quick):
         m.impl = impl.split("_")[0]
         m.zero_grad(set_to_none=True)
         xi = x.detach().to(dt).requires_grad_()
-        (m(xi).float() * 1.0).pow(2).mean().backward()
+        m(xi).float().pow(2).mean().backward()
         grads[impl] = {"x": xi.grad.float().clone(), "w1": m.experts.w1.grad.float().clone(),
                        "w_down": m.w_down.weight.grad.float().clone() if m.latent else None}
     moe.float()
