@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from k3.benchtools import bench_out
 from k3.config import PRESETS, K3Config, get_config
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data
 from k3.fileio import atomic_write_json
@@ -56,7 +57,6 @@ from k3.quant.fake import QATLinear
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "qat.json"
 # name -> (config.qat, format of the output head or None); the head is outside config.qat's reach (the library
 # keeps it full precision), so this benchmark wraps it in a QATLinear itself
 SETTINGS = {
@@ -241,10 +241,12 @@ def main(argv=None) -> dict:
                          "scratch; e.g. 0.8: the fp32 run's state at 80%% of the steps, then QAT for the rest)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=None,
+                    help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the seeds already in --out (same model, budget and settings) and run only the others")
     args = ap.parse_args(argv)
+    args.out = args.out or str(bench_out("qat", args.quick))
     torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32

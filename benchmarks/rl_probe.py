@@ -13,7 +13,8 @@ steps against chance:
 - `copy`: four random digits after marker A, six random tokens, marker B; the answer is the four digits
   again. Chance: ln 10 per digit.
 
-All patterns see the same batches (one generator seed) in one run. Writes runs/bench/rl_probe.json.
+All patterns see the same batches (one generator seed) in one run. Writes runs/bench/rl_probe.json
+(--quick: runs/bench/quick/rl_probe.json, which never reaches the table).
 """
 from __future__ import annotations
 
@@ -23,17 +24,14 @@ import math
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from k3.benchtools import bench_out
 from k3.config import get_config
 from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
-
-ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "runs" / "bench" / "rl_probe.json"
 
 
 def condition_batch(g: torch.Generator, B: int = 8, gap: int = 20):
@@ -98,7 +96,7 @@ def main() -> int:
     default = result["patterns"].get("KKKM")
     if default:
         result["tiny_default"] = {probe: default[probe]["over_chance"] for probe in PROBES}
-    atomic_write_json(OUT, result)
+    atomic_write_json(bench_out("rl_probe", args.quick), result)
     if args.json:
         print(json.dumps(result, indent=1))
     return 0

@@ -42,6 +42,17 @@ BAD = [
     (dict(n_dense_layers=9), "n_dense_layers", "lower"),
     (dict(n_shared_experts=-1), "n_shared_experts", ">= 0"),
     (dict(qat={"expert_weights": "int3"}), "qat", "mxfp4"),
+    # wrong types (as `--set` or a config file can give them) and out-of-range floats
+    (dict(qat="mxfp4"), "qat", "JSON object"),
+    (dict(mla_q_lora_rank="x"), "mla_q_lora_rank", "an integer"),
+    (dict(moe_latent_dim="x"), "moe_latent_dim", "an integer"),
+    (dict(n_dense_layers=1.5), "n_dense_layers", "an integer"),
+    (dict(layer_pattern=3), "layer_pattern", "a string"),
+    (dict(tie_embeddings=1), "tie_embeddings", "true or false"),
+    (dict(n_experts=True), "n_experts", "an integer"),
+    (dict(routed_scale=-1.0), "routed_scale", "> 0"),
+    (dict(norm_eps=0.0), "norm_eps", "> 0"),
+    (dict(bias_update_rate=-0.1), "bias_update_rate", "0 to disable"),
 ]
 
 
@@ -65,6 +76,9 @@ def test_cli_prints_config_error_without_traceback():
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "n_active_experts" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "config", "--preset", "tiny", "--set", "qat=mxfp4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "qat" in r.stderr and "JSON object" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "k3.cli", "config", "--preset", "tiny", "--set", "attnres=full"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["attnres"] == "full"

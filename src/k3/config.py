@@ -11,6 +11,11 @@ import math
 from dataclasses import dataclass, field, fields
 
 
+# the Python type each annotation names (annotations are strings here); an int is accepted as a float
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
+                                                    "dict": dict}
+
+
 class K3ConfigError(ValueError):
     """A configuration that cannot describe a valid K3 model; the message names the field and the fix."""
 
@@ -110,6 +115,16 @@ class K3Config:
         def bad(name: str, why: str, fix: str) -> None:
             raise K3ConfigError(f"{self.name}: {name} = {getattr(self, name, None)!r} {why}; {fix}")
 
+        for f in fields(self):
+            v = getattr(self, f.name)
+            want = _FIELD_TYPES[f.type]
+            ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)
+            if not ok:
+                kind, example = {"int": ("an integer", "4"), "float": ("a number", "0.5"), "bool": ("true or false", "true"),
+                                 "str": ("a string", f.default or "KKKM"),
+                                 "dict": ("a JSON object", '\'{"expert_weights": "mxfp4"}\'')}[f.type]
+                bad(f.name, f"is of type {type(v).__name__}, but must be {kind}",
+                    f"give {kind}, e.g. --set {f.name}={example} (values are read as JSON)")
         positive = [
             "vocab_size", "d_model", "n_layers", "max_context", "kda_heads", "kda_head_dim",
             "kda_conv_size", "kda_gate_rank", "mla_heads", "mla_kv_lora_rank", "mla_qk_head_dim",
@@ -122,6 +137,12 @@ class K3Config:
                 bad(name, "must be a positive integer", f"set {name} to a value >= 1")
         for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers"]:
             if getattr(self, name) < 0:
+                bad(name, "must be >= 0", f"set {name} to 0 to disable it")
+        for name in ["routed_scale", "norm_eps", "init_std"]:
+            if not getattr(self, name) > 0:
+                bad(name, "must be positive", f"set {name} to a value > 0")
+        for name in ["bias_update_rate", "aux_loss_coef"]:
+            if not getattr(self, name) >= 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")
         if self.n_shared_experts > 0 and self.shared_ffn <= 0:
             bad("shared_ffn", "must be positive when n_shared_experts > 0", "set shared_ffn or n_shared_experts = 0")

@@ -63,12 +63,32 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
     assert "must share one tokenizer" in capsys.readouterr().err
     assert main(["distill", "mopd", "--teachers", str(t), "--student", str(tmp_path / "other"), "--out",
                  str(tmp_path / "x"), "--cells", "arith/low", "--steps", "1", "-q"]) == 2
-    assert "student" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "student" in err and "must share one tokenizer" in err
     # resuming a finished run with more steps continues it
     assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "3",
                  "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q",
                  "--resume"]) == 0
     assert [r["step"] for r in read_metrics(m / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3]
+    capsys.readouterr()
+
+    # the teachers' directory keeps one tokenizer and one set of budgets
+    from k3.data.tokenizer import train_tokenizer
+    from k3.distill.domains import make_domains, tokenizer_texts
+
+    other = train_tokenizer(tokenizer_texts(make_domains(), n_per_domain=50), 300, path=tmp_path / "tok2.json",
+                            allow_short=True)
+    assert other.fingerprint != domain_tokenizer.fingerprint
+    teach = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--out", str(t), "--cells", "arith/low",
+             "--base-steps", "2", "--steps", "1", "--max-context", "128", "-q"]
+    assert main(teach + ["--tokenizer", str(other.path), "--budgets", "low=2,medium=3,high=4"]) == 2
+    assert "holds another tokenizer" in capsys.readouterr().err
+    assert main(teach + ["--budgets", "low=2,medium=3,high=5"]) == 2
+    assert "has budgets {'low': 2, 'medium': 3, 'high': 4}" in capsys.readouterr().err
+    (t / "tokenizer.json").write_text(other.path.read_text())  # swapped behind the teachers' back
+    assert main(["distill", "eval", "--teachers", str(t), "--model", f"mopd={m}", "--cells", "arith/low", "--n", "1",
+                 "-q"]) == 2
+    assert "changed since the teachers were trained" in capsys.readouterr().err
 
 
 def test_teachers_take_their_own_lr_and_checkpoint_every(tmp_path, domain_tokenizer, monkeypatch):

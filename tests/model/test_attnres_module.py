@@ -266,10 +266,14 @@ def test_bad_input_raises_value_error_naming_the_shape():
         module.start(torch.randn(3, D))
     with pytest.raises(ValueError, match=r"d_model = 16, got \[2, 3, 8\]"):
         module.start(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match=r"AttnRes.start expects a float tensor x of shape \[B, T, 16\], got dtype torch.int64"):
+        module.start(torch.zeros(2, 3, D, dtype=torch.long))
     state = module.start(torch.randn(2, 3, D))
     with pytest.raises(ValueError, match=r"out of order"):
         module.mix(state, 1)
     module.mix(state, 0)
+    with pytest.raises(ValueError, match=r"sublayer 0\) expects a float tensor"):
+        module.push(state, 0, torch.zeros(2, 3, D, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[B, T, D\] = \[2, 3, 16\], got \[2, 3, 8\]"):
         module.push(state, 0, torch.randn(2, 3, 8))
     module.push(state, 0, torch.randn(2, 3, D))

@@ -263,6 +263,10 @@ def test_errors_name_the_expected_shape():
         m(torch.randn(1, 4, cfg.d_model + 1))
     with pytest.raises(ValueError, match="float"):
         m(torch.zeros(1, 4, cfg.d_model, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"MoE expects x of shape \[B, T, d_model=64\] in the layer's dtype torch.float32"):
+        m(torch.randn(1, 4, cfg.d_model, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"Router expects a float tensor"):
+        m.router(torch.zeros(3, cfg.d_model, dtype=torch.long))
     with pytest.raises(ValueError, match="impl"):
         m.impl = "fast"
     with pytest.raises(ValueError, match="Router expects"):
@@ -270,6 +274,15 @@ def test_errors_name_the_expected_shape():
     ex = RoutedExperts(4, 8, 16)
     with pytest.raises(ValueError, match="RoutedExperts expects"):
         ex(torch.randn(3, 8), torch.ones(3, 2), torch.zeros(2, 2, dtype=torch.long))
+    ids, w = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    with pytest.raises(ValueError, match=r"RoutedExperts expects a float tensor x of shape \[N, 8\]"):
+        ex(torch.zeros(3, 8, dtype=torch.long), w, ids)
+    with pytest.raises(ValueError, match=r"RoutedExperts expects x of shape \[N, 8\] in the layer's dtype"):
+        ex(torch.randn(3, 8, dtype=torch.float64), w, ids)
+    with pytest.raises(ValueError, match=r"integer expert ids"):
+        ex(torch.randn(3, 8), w, ids.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast, bf16 tokens meet fp32 weights legitimately
+        assert ex(torch.randn(3, 8).bfloat16(), w, ids).shape == (3, 8)
     with pytest.raises(ValueError, match="backend"):
         grouped_swiglu(torch.randn(2, 8), torch.tensor([1, 1, 0, 0]), ex.w1, ex.w3, ex.w2, "cuda_magic")
 

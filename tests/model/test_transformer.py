@@ -88,6 +88,13 @@ def test_bad_inputs():
     m = _model()
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         m(torch.zeros(2, 3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer tensor"):
+        m(torch.zeros(2, 3))
+    V = m.config.vocab_size
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"token id {bad}, outside the vocabulary \[0, {V}\)"):
+            m(torch.tensor([[1, bad, 2]]))
+    m(torch.tensor([[0, V - 1]]))  # both ends of the vocabulary are fine
     with pytest.raises(ValueError, match="max_context"):
         m(torch.zeros(1, m.config.max_context + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="new_cache"):

@@ -178,6 +178,12 @@ def test_bad_shapes_raise_value_error_naming_the_shape():
         attnres_mix(src, torch.zeros(8), torch.ones(2, 8))
     with pytest.raises(ValueError, match=r"queries must have shape \[Q, D\]"):
         phase1(src, torch.zeros(8))
+    with pytest.raises(ValueError, match=r"sources must be a float tensor \[S, B, T, D\], got dtype torch.int64"):
+        attnres_mix(src.long(), torch.zeros(8))
+    with pytest.raises(ValueError, match=r"query must be a float tensor, got dtype torch.int64"):
+        attnres_mix(src, torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"sources must be a float tensor"):
+        phase1(src.long(), torch.zeros(2, 8))
     with pytest.raises(ValueError, match=r"norm_weights must have shape \[2, D\] = \[2, 8\]"):
         phase1(src, torch.zeros(2, 8), torch.ones(3, 8))
     stats = phase1(src, torch.zeros(2, 8))

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from k3.cli import main
 from k3.config import get_config
 from k3.model.transformer import K3Model
-from k3.quant.export import PackedRoutedExperts, export_mx, load_packed, pack_model
+from k3.quant.export import EXPORT_KEY, EXPORT_VERSION, PackedRoutedExperts, export_mx, load_packed, pack_model
 from k3.quant.sizes import checkpoint_bytes
 from k3.train import checkpoint as ckpt
 from k3.train.trainer import load_trained_model
@@ -103,7 +103,15 @@ def _tamper(export_dir, fn):
     save_file(tensors, str(step / "model.safetensors"))
 
 
-@pytest.mark.parametrize("case", ["scale_shape", "codes_dtype", "nan_scale", "missing", "config", "hash"])
+def _tamper_manifest(export_dir, fn):
+    path = ckpt.latest_checkpoint(export_dir) / ckpt.MANIFEST
+    manifest = json.loads(path.read_text())
+    fn(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("case", ["scale_shape", "codes_dtype", "nan_scale", "missing", "stray", "version",
+                                  "block_size", "format", "config", "hash"])
 def test_mismatched_export_is_a_clear_error(tmp_path, case):
     src, cfg = _ckpt(tmp_path, K3_QAT)
     ex = tmp_path / "ex"
@@ -123,6 +131,18 @@ def test_mismatched_export_is_a_clear_error(tmp_path, case):
     elif case == "missing":
         _tamper(ex, lambda t: t.pop(name))
         want = [name, "missing"]
+    elif case == "stray":
+        _tamper(ex, lambda t: t.__setitem__("layers.1.ffn.experts.w4_codes", t[name].clone()))
+        want = ["unexpected routed-expert tensor", "layers.1.ffn.experts.w4_codes"]
+    elif case == "version":
+        _tamper_manifest(ex, lambda m: m["extra"][EXPORT_KEY].__setitem__("version", 99))
+        want = ["version 99", f"reads version {EXPORT_VERSION}"]
+    elif case == "block_size":
+        _tamper_manifest(ex, lambda m: m["extra"][EXPORT_KEY].__setitem__("block_size", 16))
+        want = ["block_size 16", "block 32"]
+    elif case == "format":
+        _tamper_manifest(ex, lambda m: m["extra"][EXPORT_KEY].__setitem__("expert_weights", "mxfp8"))
+        want = ["qat.expert_weights is 'mxfp4' but the export says 'mxfp8'"]
     elif case == "config":
         kwargs["config"] = get_config("tiny", qat=K3_QAT, expert_ffn=96)
         want = ["expert_ffn"]

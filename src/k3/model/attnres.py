@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.checks import check_dtype
 from k3.ops.attnres import IMPLS, Phase1Stats, attnres_mix, blockwise_mix, merged_weights, phase1, phase2
 
 __all__ = ["AttnRes", "AttnResState"]
@@ -148,6 +149,7 @@ class AttnRes(nn.Module):
         if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[-1] != self.d_model:
             got = list(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
             raise ValueError(f"AttnRes.start expects emb of shape [B, T, D] with D = d_model = {self.d_model}, got {got}")
+        check_dtype("AttnRes.start", emb, f"[B, T, {self.d_model}]")
         if self.record_weights:
             self.last_weights, self._entropy = {}, {}
         shape = tuple(emb.shape)
@@ -183,6 +185,7 @@ class AttnRes(nn.Module):
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != state.shape:
             got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"AttnRes.push: output of sublayer {j} must have shape [B, T, D] = {list(state.shape)}, got {got}")
+        check_dtype(f"AttnRes.push (sublayer {j})", y, str(list(state.shape)))
         if self.mode == "none":
             state.current[0] = state.current[0] + y
         else:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.checks import check_dtype
 from k3.model.cache import MLACache
 
 
@@ -141,9 +142,7 @@ class GatedMLA(nn.Module):
                 or x.shape[0] == 0 or x.shape[1] == 0:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"GatedMLA expects x of shape {want}, got {shape}")
-        if not x.is_floating_point() or (x.dtype != self.wo.weight.dtype
-                                         and not torch.is_autocast_enabled(x.device.type)):
-            raise ValueError(f"GatedMLA expects x of shape {want}, got dtype {x.dtype}; cast x or the layer")
+        check_dtype("GatedMLA", x, want, like=self.wo.weight)
         if cache is not None and cache.latent is not None and cache.latent.shape[0] != x.shape[0]:
             raise ValueError(f"cache holds batch {cache.latent.shape[0]} but x has batch {x.shape[0]}; "
                              "use one cache per batch of sequences")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.checks import check_dtype
 from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")
@@ -88,6 +89,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
             raise ValueError(f"Router expects x of shape [B, T, {self.dim}] or [N, {self.dim}], got {tuple(x.shape)}")
+        check_dtype("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]")
         s = self.scores(x).reshape(-1, self.n_experts)  # [N, E]
         bias = self.bias.float()
         biased = s.detach() + bias
@@ -286,8 +288,12 @@ class RoutedExperts(nn.Module):
         if x.dim() != 2 or x.shape[-1] != self.dim or experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
             raise ValueError(f"RoutedExperts expects x [N, {self.dim}] and weights, experts [N, k]; got "
                              f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
+        if experts.is_floating_point() or experts.is_complex():
+            raise ValueError(f"RoutedExperts expects integer expert ids [N, k], got dtype {experts.dtype}")
+        w = self.expert_weights()
+        check_dtype("RoutedExperts", x, f"[N, {self.dim}]", like=w[0])
         weights = weights.to(x.dtype)
-        x, w = self.quant_act(x), self.expert_weights()
+        x = self.quant_act(x)
         if self.impl == "naive":
             return self._naive(x, weights, experts, *w)
         if self.impl == "loop":
@@ -385,6 +391,7 @@ class MoE(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
             raise ValueError(f"MoE expects a float tensor x of shape [B, T, d_model={self.d_model}], "
                              f"got {tuple(x.shape)} {x.dtype}")
+        check_dtype("MoE", x, f"[B, T, d_model={self.d_model}]", like=self.router.weight)
         B, T, d = x.shape
         weights, experts = self.router(x)
         h = x.reshape(B * T, d)

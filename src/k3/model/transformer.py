@@ -57,6 +57,12 @@ class K3Model(nn.Module):
         """input_ids [B, T] -> final normed hidden states [B, T, d_model]."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
+        if input_ids.numel() and not torch.compiler.is_compiling():  # one sync; skipped inside torch.compile
+            lo, hi = (int(v) for v in torch.aminmax(input_ids))
+            if lo < 0 or hi >= self.config.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size}); "
+                                 "use the tokenizer the model was trained with (its vocab_size must match the config)")
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
                              "make it with model.new_cache()")

@@ -311,7 +311,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- registration
-def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq: int, lr: float) -> None:
+def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq: int, lr: float,
+                  warmup: str = "5%% of --steps", eval_batches: int = 8) -> None:
     if steps is not None:
         p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
     p.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default {batch})")
@@ -320,8 +321,9 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="adamw, or muon = MuonClip (Muon on matrices + AdamW on the rest + QK-Clip)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and the data order (default 0)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="LR warmup steps (default 5%% of --steps)")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)")
+    p.add_argument("--warmup-steps", type=int, default=None, help=f"LR warmup steps (default {warmup})")
+    p.add_argument("--eval-batches", type=int, default=eval_batches,
+                   help=f"validation batches per evaluation (default {eval_batches})")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (default: torch's choice; the demo uses the cores the load average leaves free)")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (default 0: at the end)")
@@ -386,8 +388,8 @@ def register(sub) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget for the whole demo (default 10)")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"where the tokenized data lives (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    _add_run_args(p, steps=None, batch=4, seq=128, lr=3e-3)
+    _add_run_args(p, steps=None, batch=4, seq=128, lr=3e-3, warmup="10", eval_batches=16)
     p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
     p.add_argument("--sample-tokens", type=int, default=80, help="tokens per sample in samples.txt")
     p.add_argument("--max-bytes", type=int, default=None, help="cap on corpus bytes per split (default: all)")
-    p.set_defaults(func=cmd_demo, warmup_steps=10, eval_batches=16)
+    p.set_defaults(func=cmd_demo, warmup_steps=10)

@@ -25,6 +25,8 @@ def check_sources(sources: torch.Tensor, name: str = "sources", allow_empty: boo
         raise ValueError(f"{name} must have shape [S, B, T, D] (S stacked depth sources), got {got}")
     if sources.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{name} must hold at least one source ([S, B, T, D] with S >= 1), got S = 0")
+    if not sources.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor [S, B, T, D], got dtype {sources.dtype}; cast it with .float()")
 
 
 def check_query(query: torch.Tensor, d: int, name: str = "query", leading: tuple[int, ...] = ()) -> None:
@@ -32,6 +34,8 @@ def check_query(query: torch.Tensor, d: int, name: str = "query", leading: tuple
     if query is not None and tuple(query.shape) != want:
         dims = "".join(f"{n}, " for n in leading)
         raise ValueError(f"{name} must have shape [{dims}D] = {list(want)}, got {list(query.shape)}")
+    if query is not None and not query.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor, got dtype {query.dtype}; cast it with .float()")
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
