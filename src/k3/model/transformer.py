@@ -53,16 +53,26 @@ class K3Model(nn.Module):
     def new_cache(self) -> HybridCache:
         return HybridCache.for_config(self.config)
 
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        """Token ids must lie in [0, vocab_size). On CPU a ValueError names the id; on an accelerator the check is
+        an asynchronous device assert (no host sync per forward); inside torch.compile it is skipped."""
+        V = self.config.vocab_size
+        fix = "use the tokenizer the model was trained with (its vocab_size must match the config)"
+        if not input_ids.numel() or input_ids.is_meta or torch.compiler.is_compiling():
+            return
+        if input_ids.device.type != "cpu":
+            torch._assert_async(((input_ids >= 0) & (input_ids < V)).all(),
+                                f"input_ids holds a token id outside the vocabulary [0, {V}); {fix}")
+            return
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))
+        if lo < 0 or hi >= V:
+            raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V}); {fix}")
+
     def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, d_model]."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
-        if input_ids.numel() and not torch.compiler.is_compiling():  # one sync; skipped inside torch.compile
-            lo, hi = (int(v) for v in torch.aminmax(input_ids))
-            if lo < 0 or hi >= self.config.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, {self.config.vocab_size}); "
-                                 "use the tokenizer the model was trained with (its vocab_size must match the config)")
+        self._check_ids(input_ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
                              "make it with model.new_cache()")
