@@ -2,7 +2,7 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
-                             [--qat-start F]
+                             [--qat-start F [--qat-lr-scale S]]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
 here if missing). For each seed:
@@ -13,7 +13,8 @@ here if missing). For each seed:
          with --qat-start F, QAT takes over the fp32 run's full training state (weights, optimizer moments,
          balancing bias, RNG) after F x steps and trains the remaining steps with the setting: the same token
          budget and schedule, QAT as the fine-tuning end of pretraining (as LLM-QAT, arXiv 2305.17888, starts
-         from a trained model), and the first F x steps are shared with the fp32 run instead of re-drawn
+         from a trained model), and the first F x steps are shared with the fp32 run instead of re-drawn;
+         --qat-lr-scale S runs that QAT phase at S times the fp32 run's learning rate (same schedule shape)
 Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
 recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
 back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
@@ -29,7 +30,7 @@ other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all
 --ptq-only settings get the PTQ evaluation only (cheap: no training), to show how much quantizing costs.
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
-Writes runs/bench/qat.json atomically, after every seed (a stopped run leaves the seeds it finished; --resume
+Writes runs/bench/qat.json (--quick: runs/bench/quick/qat.json) atomically, after every seed (a stopped run leaves the seeds it finished; --resume
 keeps them and runs only the missing seeds, so more seeds can be added to a finished run the same way).
 """
 from __future__ import annotations
@@ -145,6 +146,8 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
     # a copy: Optimizer.load_state_dict keeps the given state tensors and steps them in place, so without it
     # this run's moments (which have seen the batches after the snapshot) would leak into the next hand-over
     trainer.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+    for g in trainer.optimizer.param_groups:  # --qat-lr-scale: the QAT phase's learning rate, relative
+        g["peak_lr"] = g.get("peak_lr", g["lr"]) * args.qat_lr_scale
     trainer.step, trainer.tokens = snapshot["step"], snapshot["tokens"]
     torch.set_rng_state(snapshot["rng"])
     losses = list(snapshot["losses"])
@@ -239,6 +242,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--qat-start", type=float, default=0.0,
                     help="fraction of the steps trained in fp32 before QAT takes over (default 0: QAT from "
                          "scratch; e.g. 0.8: the fp32 run's state at 80%% of the steps, then QAT for the rest)")
+    ap.add_argument("--qat-lr-scale", type=float, default=1.0,
+                    help="with --qat-start: multiply the learning rate of the QAT phase by this (default 1: the "
+                         "fp32 run's schedule; e.g. 0.3)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=None,
@@ -262,6 +268,9 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--qat-start {args.qat_start}: give a fraction in [0, 1), e.g. 0.8 (0 = QAT from scratch)")
     args.qat_from_step = round(args.qat_start * args.steps)
     qat_from = args.qat_from_step or None
+    if not args.qat_lr_scale > 0 or (args.qat_lr_scale != 1.0 and qat_from is None):
+        raise SystemExit(f"--qat-lr-scale {args.qat_lr_scale}: give a factor > 0, with --qat-start > 0 (it scales "
+                         "the learning rate of the QAT phase that continues the fp32 run)")
     if qat_from is not None and qat_from >= args.steps:
         raise SystemExit(f"--qat-start {args.qat_start} of {args.steps} steps leaves no QAT step; lower it")
     names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
@@ -316,9 +325,10 @@ def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str
     prev = json.loads(path.read_text())
     want = {"config": config.to_dict(), "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "lr": args.lr, "warmup_steps": args.warmup_steps, "qat_from_step": args.qat_from_step,
-            "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
+            "qat_lr_scale": args.qat_lr_scale, "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
     have = {"config": prev.get("config"), **{k: prev.get("budget", {}).get(k) for k in
             ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "qat_from_step")},
+            "qat_lr_scale": prev.get("budget", {}).get("qat_lr_scale", 1.0),
             "settings": sorted(n for n, v in prev.get("settings", {}).items() if v.get("trained")),
             "ptq_only": sorted(n for n, v in prev.get("settings", {}).items() if not v.get("trained")),
             "quick": prev.get("quick")}
@@ -357,6 +367,7 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
                    "warmup_steps": args.warmup_steps, "optimizer": "adamw", "qat_start": args.qat_start,
+                   "qat_lr_scale": args.qat_lr_scale,
                    "qat_from_step": args.qat_from_step},
         "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,

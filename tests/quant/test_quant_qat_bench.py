@@ -82,7 +82,8 @@ def test_qat_hand_over_continues_the_fp32_run_exactly(qat_bench, tiny_data_dir):
 
     files = prepare_data(tiny_data_dir, vocab_size=512, max_bytes=300_000)  # reuses the fixture's data
     config = get_config("tiny", vocab_size=512)
-    args = argparse.Namespace(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_batches=2)
+    args = argparse.Namespace(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_batches=2,
+                              qat_lr_scale=1.0)
     _, fp32, snap = qat_bench.train_run(config, files, args, "fp32", 0, snapshot_at=4)
     assert snap["step"] == 4 and len(snap["losses"]) == 4
     same = qat_bench.continue_run(config, files, args, "fp32 again", 0, snap, None)
@@ -94,6 +95,41 @@ def test_qat_hand_over_continues_the_fp32_run_exactly(qat_bench, tiny_data_dir):
     # runs before it, which have seen the batches after the snapshot, must not leak into it)
     again = qat_bench.continue_run(config, files, args, "fp32 once more", 0, snap, None)
     assert again["val_loss"] == fp32["val_loss"] and again["train_loss_last10"] == fp32["train_loss_last10"]
+
+
+def test_qat_lr_scale_scales_the_qat_phase_only(qat_bench, tiny_data_dir, monkeypatch, tmp_path):
+    """--qat-lr-scale multiplies the learning rate the optimizer uses in the continued (QAT) steps, and
+    nothing before them."""
+    import argparse
+
+    from k3.config import get_config
+    from k3.data import prepare_data
+    from k3.train.schedule import WSDSchedule
+
+    files = prepare_data(tiny_data_dir, vocab_size=512, max_bytes=300_000)
+    config = get_config("tiny", vocab_size=512)
+    used: list[tuple[int, float]] = []
+    real_apply = WSDSchedule.apply
+
+    def apply(self, optimizer, step):
+        f = real_apply(self, optimizer, step)
+        used.append((step, optimizer.param_groups[0]["lr"]))
+        return f
+
+    monkeypatch.setattr(WSDSchedule, "apply", apply)
+    args = argparse.Namespace(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2, eval_batches=2,
+                              qat_lr_scale=1.0)
+    _, _, snap = qat_bench.train_run(config, files, args, "fp32", 0, snapshot_at=4)
+    fp32_lrs = dict(used)
+    used.clear()
+    args.qat_lr_scale = 0.25
+    qat_bench.continue_run(config, files, args, "qat", 0, snap, "harsh")
+    assert [s for s, _ in used] == [4, 5] and all(fp32_lrs[s] > 0 for s, _ in used)
+    for step, lr in used:
+        assert lr == pytest.approx(0.25 * fp32_lrs[step], rel=1e-12)
+    for bad in (["--qat-lr-scale", "0"], ["--qat-lr-scale", "0.5"]):  # 0; a scale without a QAT phase
+        with pytest.raises(SystemExit, match="--qat-lr-scale"):
+            qat_bench.main(["--quick", *bad, "--out", str(tmp_path / "q.json")])
 
 
 def test_bad_qat_start_is_refused(qat_bench, tmp_path):
