@@ -4,24 +4,35 @@ MX on the device, a training step under bf16 autocast).
     python benchmarks/gpu.py --json [--out FILE]      # on a CUDA machine; writes runs/bench/gpu.json or FILE
     python benchmarks/gpu.py --device cpu --quick     # dry run of the script's logic (small shapes)
 
-Each section runs in its own process under a time limit (`--section-timeout`) and records its own error or
-timeout instead of stopping the run; the sections that need fla's Triton kernels (which compile and autotune
-on first use) run last. Sections:
+Each section runs in its own process under its own time limit (`LIMITS`, or `--section-timeout` for all) and
+records its own error or timeout instead of stopping the run; the sections that need fla's Triton kernels run
+last. fla autotunes every kernel over its configs on first use of each (dtype, head count, head dim): about
+2,800 configs over ~200 kernels, several minutes per new shape, which no section limit allows. So by default
+(`--fla-autotune pinned`) every fla autotuner keeps one config, the one with the fewest pipeline stages and
+smallest blocks (the least shared memory, so it fits where any does): Triton then compiles it without
+benchmarking. fla's results do not depend on the config, its speed does: pinned fla times are an upper bound
+on fla's tuned times (`--fla-autotune full` tunes, given the time). Children run with
+`FLA_DISABLE_BACKEND_DISPATCH=1` (fla's plain Triton path, no just-in-time TileLang/nvcc backends) and
+unbuffered, stdout and stderr merged, so a cut-off section's tail shows where it was. Sections:
 - peaks: bf16 and fp32 (tf32 off) matmul rates and device-to-device copy bandwidth, the ceilings below.
 - kda_check: fla's Triton `chunk_kda` (what `k3.ops.kda.kda` dispatches to on CUDA) and k3's pure-torch
   `chunk_kda` on the device, forward, final state and gradients, against k3's naive recurrence in fp64.
-- kda_speed: forward and forward+backward times of fla Triton, k3 torch chunk and fla naive_chunk.
+- kda_speed: forward and forward+backward times of fla Triton (bf16), k3 torch chunk (fp32 and bf16 inputs; it
+  computes in fp32, with TF32 matmuls here as fla's fp32 dots use TF32) and fla naive_chunk (small shape).
 - moe_check / moe_speed: the MoE layer at mini widths in bf16, grouped (torch._grouped_mm) vs the
   per-expert loop, outputs against an fp32 reference; and routed experts at the full k3 widths
   (latent 3584, ffn 3072; 32 experts on one GPU, as under expert parallelism) as a fraction of bf16 peak.
 - model_check: the tiny model on the device: prefill + single-token decode (fla's fused recurrent KDA, the
   MLA latent cache) equals one full forward; the mini model's logits on the device equal the CPU's.
+- train_step: the Trainer on `mini` (bf16 autocast on CUDA), a few steps on random tokens: finite losses,
+  the first step's time (compilation) and the steady step time.
 - mx: k3's MX quantizer on the device, bit-exact against torchao's to_mx, and its speed against it.
 Timings are CUDA-event medians after warm-up. Speed ratios come from the same process run.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -34,7 +45,7 @@ from k3.benchtools import bench_out, machine, write_result
 
 
 def progress(msg: str) -> None:
-    """A line on stderr with the time: a section cut off by its limit leaves these in its stderr_tail."""
+    """A line on stderr with the time: a section cut off by its limit leaves these in its output_tail."""
     print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
 
 
@@ -65,6 +76,38 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def pin_fla_autotune() -> dict:
+    """Give every fla Triton autotuner a single config (fewest stages, then smallest blocks, then 4 warps), so
+    first use compiles one variant and benchmarks none. Returns {"autotuners": n, "configs_before": m}."""
+    import gc
+
+    import fla.ops.kda  # noqa: F401  (imports create the autotuners)
+    import fla.ops.kda.chunk_bwd  # noqa: F401
+    from triton.runtime.autotuner import Autotuner
+
+    def cost(c):
+        blocks = sum(v for v in c.kwargs.values() if isinstance(v, int) and not isinstance(v, bool))
+        return (c.num_stages or 0, blocks, abs((c.num_warps or 4) - 4))
+
+    n = before = 0
+    for a in gc.get_objects():
+        if isinstance(a, Autotuner) and getattr(a.fn, "fn", a.fn).__module__.startswith("fla."):
+            n, before = n + 1, before + len(a.configs)
+            if len(a.configs) > 1:
+                a.configs = [min(a.configs, key=cost)]
+    return {"autotuners": n, "configs_before": before}
+
+
+def fla_setup(dev, out: dict) -> None:
+    """Before a section's first fla call: pin fla's autotuning unless --fla-autotune full (CUDA only)."""
+    import os
+
+    mode = os.environ.get("K3_FLA_AUTOTUNE", "pinned")
+    out["fla_autotune"] = mode
+    if dev.type == "cuda" and mode == "pinned":
+        out["fla_autotune_pinned"] = pin_fla_autotune()
 
 
 def section(results: dict, name: str, fn, dev, quick) -> None:
@@ -101,15 +144,17 @@ def peaks(dev, quick):
 
 # ---------------------------------------------------------------------------------------------- KDA
 def kda_inputs(B, T, H, K, V, dev, dtype, grad=False, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=g)
-    k = F.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
-    v = torch.randn(B, T, H, V, generator=g)
-    gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g))
-    beta = torch.rand(B, T, H, generator=g)
-    h0 = 0.1 * torch.randn(B, H, K, V, generator=g)
-    xs = [x.to(dev, dtype).requires_grad_(grad) for x in (q, k, v, gate, beta)]
-    return xs, h0.to(dev, torch.float32)
+    """Random KDA inputs made on the device itself (no host-side generation and copy of large tensors)."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    kw = dict(generator=g, device=dev)
+    q = torch.randn(B, T, H, K, **kw)
+    k = F.normalize(torch.randn(B, T, H, K, **kw), dim=-1)
+    v = torch.randn(B, T, H, V, **kw)
+    gate = F.logsigmoid(torch.randn(B, T, H, K, **kw))
+    beta = torch.rand(B, T, H, **kw)
+    h0 = 0.1 * torch.randn(B, H, K, V, **kw)
+    xs = [x.to(dtype).requires_grad_(grad) for x in (q, k, v, gate, beta)]
+    return xs, h0
 
 
 def kda_check(dev, quick):
@@ -123,6 +168,7 @@ def kda_check(dev, quick):
     (o_ref * w.double()).sum().backward()
     g_ref = [x.grad for x in ref_in]
     out = {"shape": [B, T, H, K, V], "dispatch": choose_impl(xs[0])}
+    fla_setup(dev, out)
     impls = {"k3_torch_chunk": lambda *a, **kw: chunk_kda(*a, **kw)}
     if dev.type == "cuda":
         impls["dispatch_default"] = lambda *a, **kw: kda(*a, **kw)  # fla's Triton chunk_kda when fla is there
@@ -159,7 +205,9 @@ def kda_speed(dev, quick):
     from k3.ops.kda import chunk_kda, kda
 
     shapes = [(1, 512, 2, 64, 64)] if quick else [(1, 4096, 4, 128, 128), (8, 8192, 16, 128, 128)]
-    out = {}
+    out = {"tf32": dev.type == "cuda"}
+    fla_setup(dev, out)
+    torch.backends.cuda.matmul.allow_tf32 = True  # k3's chunk form computes in fp32; fla's fp32 dots use TF32
     for shape in shapes:
         B, T, H, K, V = shape
         row = {}
@@ -167,14 +215,14 @@ def kda_speed(dev, quick):
             if dev.type == "cpu" and dtype == torch.bfloat16:
                 continue
             contenders = {"k3_torch_chunk": chunk_kda}
-            if dev.type == "cuda":
+            if dev.type == "cuda" and dtype == torch.bfloat16:  # training feeds fla bf16
                 contenders["fla_triton_chunk"] = lambda *a: kda(*a, impl="fla")
             if T * B <= 4096:  # fla's naive chunk form is a Python loop over chunks: the small shape only
                 contenders["fla_naive_chunk"] = naive_chunk_kda
+            xs, _ = kda_inputs(B, T, H, K, V, dev, dtype, grad=True)
+            w = torch.randn(B, T, H, V, device=dev, dtype=dtype)
             for name, fn in contenders.items():
                 progress(f"kda_speed: {name} {dtype} {shape}")
-                xs, _ = kda_inputs(B, T, H, K, V, dev, dtype, grad=True)
-                w = torch.randn(B, T, H, V, device=dev, dtype=dtype)
 
                 def fwd():
                     with torch.no_grad():
@@ -191,11 +239,10 @@ def kda_speed(dev, quick):
                 fb = cuda_ms(fwd_bwd, reps, warm=2, device=dev)
                 row[f"{name}.{str(dtype)[6:]}"] = {"forward_ms": f["median_ms"], "fwd_bwd_ms": fb["median_ms"],
                                                    "forward_tokens_per_s": B * T / (f["median_ms"] * 1e-3)}
-        for dt in ("float32", "bfloat16"):
-            fla_, ours = row.get(f"fla_triton_chunk.{dt}"), row.get(f"k3_torch_chunk.{dt}")
-            if fla_ and ours:
-                row[f"fla_triton_over_k3_torch_forward.{dt}"] = ours["forward_ms"] / fla_["forward_ms"]
-                row[f"fla_triton_over_k3_torch_fwd_bwd.{dt}"] = ours["fwd_bwd_ms"] / fla_["fwd_bwd_ms"]
+        fla_, ours = row.get("fla_triton_chunk.bfloat16"), row.get("k3_torch_chunk.bfloat16")
+        if fla_ and ours:
+            row["fla_triton_over_k3_torch_forward.bfloat16"] = ours["forward_ms"] / fla_["forward_ms"]
+            row["fla_triton_over_k3_torch_fwd_bwd.bfloat16"] = ours["fwd_bwd_ms"] / fla_["fwd_bwd_ms"]
         naive, ours = row.get("fla_naive_chunk.float32"), row.get("k3_torch_chunk.float32")
         if naive and ours:
             row["k3_torch_chunk_speedup_vs_fla_naive_chunk.float32"] = naive["forward_ms"] / ours["forward_ms"]
@@ -281,7 +328,7 @@ def moe_speed(dev, quick):
     Nk = 1024 if quick else 16384
     ex = RoutedExperts(E, dim, ffn).to(dev, dt)
     z = torch.randn(Nk, dim, device=dev, dtype=dt)
-    experts = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(Nk)])
+    experts = torch.rand(Nk, E, device=dev).argsort(-1)[:, :k]  # k distinct experts per token
     weights = torch.softmax(torch.randn(Nk, k, device=dev), -1)
     flops = 3 * 2 * Nk * k * dim * ffn
     res = {"experts": E, "dim": dim, "ffn": ffn, "tokens": Nk, "top_k": k, "forward_flops": flops}
@@ -311,6 +358,7 @@ def model_check(dev, quick):
     from k3.model.transformer import K3Model
 
     out = {}
+    fla_setup(dev, out)
     torch.manual_seed(0)
     m = K3Model(get_config("tiny")).eval()
     with torch.no_grad():
@@ -326,6 +374,7 @@ def model_check(dev, quick):
         steps = [m(ids[:, :70], cache)] + [m(ids[:, t:t + 1], cache) for t in range(70, 90)]
     out["tiny_prefill_decode_vs_full_max_abs"] = (torch.cat(steps, 1) - full).abs().max().item()
     out["tiny_full_logits_max_abs"] = full.abs().max().item()
+    out["tiny_prefill_decode_vs_full_rel"] = rel(torch.cat(steps, 1), full)
     out["tiny_cache_nbytes"] = cache.nbytes()
     torch.manual_seed(0)
     mm = K3Model(get_config("tiny" if quick else "mini")).eval()
@@ -334,6 +383,33 @@ def model_check(dev, quick):
         cpu = mm(ids)
         gpu = mm.to(dev)(ids.to(dev)).cpu()
     out["mini_device_vs_cpu_logits_rel_err"] = rel(gpu, cpu)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- training
+def train_step(dev, quick):
+    """The real Trainer on the device (bf16 autocast on CUDA: fla's KDA, grouped experts, AttnRes, MLA):
+    a few AdamW steps of mini on random tokens; every loss finite, step times after the first."""
+    from k3.benchtools import RandomTokens
+    from k3.config import get_config
+    from k3.train.trainer import TrainConfig, Trainer
+
+    out = {}
+    fla_setup(dev, out)
+    config = get_config("tiny" if quick else "mini")
+    B, T, steps = (2, 64, 3) if quick else (16, 1024, 6)
+    tc = TrainConfig(steps=steps, batch_size=B, seq_len=T, device=dev.type, warmup_steps=1, measure_mfu=False,
+                     record_attnres=False)
+    trainer = Trainer(config, tc, RandomTokens(config.vocab_size))
+    recs = []
+    for i in range(steps):
+        progress(f"train_step: step {i + 1} of {steps}")
+        recs.append(trainer.train_step())
+    times = [r["step_time_s"] for r in recs[1:]]
+    out.update({"preset": config.name, "batch": B, "seq_len": T, "autocast": "bf16" if dev.type == "cuda" else None,
+                "losses": [r["loss"] for r in recs], "all_finite": all(math.isfinite(r["loss"]) for r in recs),
+                "first_step_s": recs[0]["step_time_s"], "step_s_median": statistics.median(times),
+                "tokens_per_s": B * T / statistics.median(times)})
     return out
 
 
@@ -372,7 +448,12 @@ def mx(dev, quick):
 
 SECTIONS = {"peaks": peaks, "moe_check": moe_check, "moe_speed": moe_speed, "mx": mx,
             # the sections below go through fla's Triton kernels, which compile (and autotune) on first use
-            "kda_check": kda_check, "model_check": model_check, "kda_speed": kda_speed}
+            "kda_check": kda_check, "model_check": model_check, "train_step": train_step, "kda_speed": kda_speed}
+
+
+# seconds each section may take (about 9 minutes in all); --section-timeout sets one limit for every section
+LIMITS = {"peaks": 30, "moe_check": 50, "moe_speed": 90, "mx": 40, "kda_check": 120, "model_check": 75,
+          "train_step": 75, "kda_speed": 110}
 
 
 def run_isolated(name: str, args, timeout: float) -> dict:
@@ -390,20 +471,23 @@ def run_isolated(name: str, args, timeout: float) -> dict:
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()
+        # Triton prints each autotuning result (on stdout): with stdout and stderr merged and unbuffered, a
+        # section that times out shows in its tail whether it was compiling, tuning or computing
+        env = {**os.environ, "TRITON_PRINT_AUTOTUNING": os.environ.get("TRITON_PRINT_AUTOTUNING", "1"),
+               "PYTHONUNBUFFERED": "1", "FLA_DISABLE_BACKEND_DISPATCH": "1", "K3_FLA_AUTOTUNE": args.fla_autotune}
         try:
-            # Triton reports each autotuning result, so a section that times out shows whether it was tuning
-            env = {**os.environ, "TRITON_PRINT_AUTOTUNING": os.environ.get("TRITON_PRINT_AUTOTUNING", "1")}
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                                  env=env)
         except subprocess.TimeoutExpired as e:
-            tail = (e.stderr or b"")[-4000:]
+            tail = (e.stdout or b"")[-4000:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
             print(f"[{name}] TIMEOUT after {timeout:.0f}s", flush=True)
-            return {"error": f"timeout: the section did not finish in {timeout:.0f} s", "stderr_tail": tail}
+            return {"error": f"timeout: the section did not finish in {timeout:.0f} s", "output_tail": tail}
         try:
             with open(part) as f:
                 return json.load(f)[name]
         except (OSError, ValueError, KeyError):
-            return {"error": f"child exited {proc.returncode} without a result", "stderr_tail": proc.stderr[-4000:],
+            return {"error": f"child exited {proc.returncode} without a result", "output_tail": proc.stdout[-4000:],
                     "section_s": round(time.perf_counter() - t0, 2)}
 
 
@@ -416,8 +500,12 @@ def main(argv=None) -> dict:
                     help="write the JSON here, after every section (default runs/bench/gpu.json; quick or CPU "
                          "runs: runs/bench/quick/gpu.json)")
     ap.add_argument("--only", default=None, help="comma-separated sections to run: " + ",".join(SECTIONS))
-    ap.add_argument("--section-timeout", type=float, default=120.0,
-                    help="seconds each section may take; each runs in its own process (default 120)")
+    ap.add_argument("--section-timeout", type=float, default=None,
+                    help="seconds every section may take (default: each its own, " +
+                         ", ".join(f"{k} {v}" for k, v in LIMITS.items()) + ")")
+    ap.add_argument("--fla-autotune", choices=("pinned", "full"), default="pinned",
+                    help="pinned (default): one config per fla kernel, compiled without benchmarking; full: "
+                         "fla's own autotuning (minutes per new shape)")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # child mode: write the sections here
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -437,13 +525,16 @@ def main(argv=None) -> dict:
         return results
     results = {"benchmark": "gpu", "quick": args.quick, "device": str(dev),
                "machine": machine(cuda_capability=list(torch.cuda.get_device_capability()) if dev.type == "cuda" else None)}
-    for lib in ("fla", "torchao", "triton"):
+    from importlib.metadata import PackageNotFoundError, version
+
+    for lib, dist in (("fla", "fla-core"), ("torchao", "torchao"), ("triton", "triton")):
         try:
-            results["machine"][lib] = __import__(lib).__version__
-        except Exception as e:  # noqa: BLE001
-            results["machine"][lib] = f"unavailable: {e}"
+            results["machine"][lib] = version(dist)
+        except PackageNotFoundError:
+            results["machine"][lib] = "not installed"
+    results["fla_autotune"] = args.fla_autotune
     for name in wanted:
-        results[name] = run_isolated(name, args, args.section_timeout)
+        results[name] = run_isolated(name, args, args.section_timeout or LIMITS[name])
         if "error" not in results[name]:
             print(f"[{name}] {results[name].get('section_s', '?')}s ok", flush=True)
         if args.out:  # what finished survives a run cut short

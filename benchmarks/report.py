@@ -115,9 +115,10 @@ HEADLINES = {
         ("peaks.copy_tb_per_s", "GPU device-to-device copy TB/s (read + write)", ""),
         ("moe_speed.mini_layer.speedup_vs_loop", "GPU MoE layer fwd+bwd bf16, grouped vs per-expert loop (mini, 4096 tokens)", ">= 3x"),
         ("moe_speed.k3_width_experts.grouped.fwd_bwd_tflops", "GPU routed experts fwd+bwd TFLOP/s at k3 widths (32 experts, top-4)", ""),
-        ("kda_check.dispatch_default.o_rel_err", "GPU fla Triton chunk_kda output vs fp64 naive recurrence (rel)", "<= 1e-3"),
+        ("kda_check.dispatch_default.o_rel_err", "GPU fla Triton chunk_kda fp32 output vs fp64 naive recurrence (rel; fla's dots use TF32)", "<= 5e-3"),
         ("kda_speed.B8_T8192_H16_K128_V128.fla_triton_over_k3_torch_fwd_bwd.bfloat16", "GPU KDA fwd+bwd, k3 torch chunk time / fla Triton time (B8 T8192 H16 bf16)", ""),
-        ("model_check.tiny_prefill_decode_vs_full_max_abs", "GPU tiny prefill + decode vs full forward, max abs logit diff", "<= 1e-4"),
+        ("model_check.tiny_prefill_decode_vs_full_rel", "GPU tiny prefill + decode vs full forward, logits (rel)", "<= 5e-3"),
+        ("train_step.tokens_per_s", "GPU mini training tokens/s (Trainer, bf16 autocast, AdamW, batch 16 x 1024)", ""),
     ],
     "rl_probe": [
         ("patterns.KKKM.condition.over_chance", "tiny KKKM from scratch: answer loss / chance, class marker 20 tokens back", ""),

@@ -19,27 +19,11 @@ from pathlib import Path
 
 import torch
 
+from k3.benchtools import RandomTokens, bench_out, loadavg, machine, write_result
 from k3.config import get_config
 from k3.train.metrics import measured_peak_flops
 from k3.train.profiling import ComponentTimer
 from k3.train.trainer import TrainConfig, Trainer
-from k3.benchtools import bench_out, loadavg, machine, write_result
-
-
-
-class RandomTokens:
-    """get_batch(step, B, T, seed) -> uniform random ids; a pure function of (seed, step)."""
-
-    def __init__(self, vocab_size: int, n_tokens: int = 1 << 20):
-        self.vocab_size, self.n_tokens = vocab_size, n_tokens
-
-    def __len__(self) -> int:
-        return self.n_tokens
-
-    def get_batch(self, step, batch_size, seq_len, seed=0):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        w = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=g)
-        return w[:, :-1], w[:, 1:]
 
 
 def main(argv=None) -> dict:

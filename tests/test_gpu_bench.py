@@ -22,6 +22,44 @@ def test_dry_run_on_cpu_checks_kda_and_moe(gpu_bench, tmp_path):
     assert max(moe["grouped_bf16_grad_rel_err_vs_bf16_loop"].values()) < 0.01
 
 
+def test_dry_run_of_the_training_section(gpu_bench, tmp_path):
+    res = gpu_bench.main(["--device", "cpu", "--quick", "--only", "train_step", "--out", str(tmp_path / "gpu.json")])
+    tr = res["train_step"]
+    assert "error" not in tr, tr
+    assert tr["all_finite"] and len(tr["losses"]) == 3 and tr["tokens_per_s"] > 0 and tr["fla_autotune"] == "pinned"
+
+
+def test_pinning_leaves_every_fla_autotuner_one_config():
+    """--fla-autotune pinned: after pin_fla_autotune every fla autotuner holds one of its own configs (run in a
+    child process: it changes fla's module state)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import gc, json, sys
+sys.path.insert(0, sys.argv[1])
+import gpu
+from triton.runtime.autotuner import Autotuner
+import fla.ops.kda, fla.ops.kda.chunk_bwd
+tuners = [a for a in gc.get_objects() if isinstance(a, Autotuner)
+          and getattr(a.fn, "fn", a.fn).__module__.startswith("fla.")]
+before = {id(a): list(a.configs) for a in tuners}
+info = gpu.pin_fla_autotune()
+print(json.dumps({"info": info, "n": len(tuners), "multi": sum(len(v) > 1 for v in before.values()),
+                  "one_each": all(len(a.configs) == 1 for a in tuners),
+                  "own": all(a.configs[0] in before[id(a)] for a in tuners),
+                  "n_before": sum(len(v) for v in before.values())}))
+"""
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    r = subprocess.run([sys.executable, "-c", code, str(bench)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["n"] > 50 and got["multi"] > 50  # fla 0.6.0 has about 200 autotuned kernels
+    assert got["one_each"] and got["own"]
+    assert got["info"] == {"autotuners": got["n"], "configs_before": got["n_before"]}
+
+
 def test_a_section_past_its_limit_is_recorded_as_a_timeout(gpu_bench, tmp_path):
     res = gpu_bench.main(["--device", "cpu", "--quick", "--only", "kda_speed", "--section-timeout", "1",
                           "--out", str(tmp_path / "gpu.json")])

@@ -93,3 +93,19 @@ def write_result(out: str | os.PathLike, result: dict, as_json: bool = False) ->
     if as_json:
         print(json.dumps(result))
     return Path(out)
+
+
+class RandomTokens:
+    """A dataset of uniform random token ids for throughput runs (speed does not depend on the text):
+    get_batch(step, B, T, seed) -> (inputs, targets), a pure function of (seed, step)."""
+
+    def __init__(self, vocab_size: int, n_tokens: int = 1 << 20):
+        self.vocab_size, self.n_tokens = vocab_size, n_tokens
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def get_batch(self, step, batch_size, seq_len, seed=0):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        w = torch.randint(0, self.vocab_size, (batch_size, seq_len + 1), generator=g)
+        return w[:, :-1], w[:, 1:]
