@@ -109,3 +109,29 @@ def test_teachers_take_their_own_lr_and_checkpoint_every(tmp_path, domain_tokeni
            for name in ("base", "arith-low")}
     assert lrs["base"] == 3e-3 and lrs["arith-low"] == 5e-4
     assert saves == [("base", 2), ("base", 3), ("arith-low", 2), ("arith-low", 3)]
+
+
+def test_cells_split_over_processes_keep_each_others_teachers(tmp_path, domain_tokenizer, monkeypatch):
+    """Two `k3 distill teachers --cells ...` processes on one directory: a teacher another process lists in
+    teachers.json while this one trains stays listed when this one writes the file."""
+    import k3.distill.sft as sft
+
+    t = tmp_path / "teachers"
+    common = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+              str(domain_tokenizer.path), "--out", str(t), "--base-steps", "2", "--steps", "1", "--batch-size", "2",
+              "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]
+    assert main(common + ["--cells", "arith/low"]) == 0
+    real = sft.run_sft
+
+    def run_sft_while_another_process_finishes(model, examples, config, run, **kw):
+        records = real(model, examples, config, run, **kw)
+        if run.name == "text-high":  # meanwhile another process finishes pyfunc/low and lists it
+            info = json.loads((t / "teachers.json").read_text())
+            info["teachers"]["pyfunc/low"] = "pyfunc-low"
+            (t / "teachers.json").write_text(json.dumps(info))
+        return records
+
+    monkeypatch.setattr(sft, "run_sft", run_sft_while_another_process_finishes)
+    assert main(common + ["--cells", "text/high"]) == 0
+    listed = json.loads((t / "teachers.json").read_text())["teachers"]
+    assert listed == {"arith/low": "arith-low", "pyfunc/low": "pyfunc-low", "text/high": "text-high"}

@@ -186,6 +186,12 @@ def cmd_teachers(args: argparse.Namespace) -> int:
                                 budgets) for j in range(args.batch_size)]
 
         stage(name, teacher, examples, args.steps, teacher_lr, {"cell": cell_name(d, e)})
+        # another process may have trained other cells of this directory meanwhile (--cells splits the matrix
+        # over processes): keep what it listed, when it shares this run's tokenizer and budgets
+        if info_path.is_file() and not args.overwrite:
+            disk = json.loads(info_path.read_text())
+            if disk.get("tokenizer_sha256") == tok.fingerprint and disk.get("budgets") == budgets:
+                listed = {**disk.get("teachers", {}), **listed}
         listed[cell_name(d, e)] = name
         atomic_write_json(info_path, {"format": TEACHERS_FORMAT, "tokenizer": "tokenizer.json",
                                       "tokenizer_sha256": tok.fingerprint, "budgets": budgets,
