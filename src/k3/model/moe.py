@@ -388,7 +388,7 @@ class MoE(nn.Module):
         self.experts.impl = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE expects a float tensor x of shape [B, T, d_model={self.d_model}], "
                              f"got {tuple(x.shape)} {x.dtype}")
         check_dtype("MoE", x, f"[B, T, d_model={self.d_model}]", like=self.router.weight)
