@@ -83,14 +83,23 @@ def test_grouped_swiglu_handles_empty_experts(backend):
     E, d, f = 5, 8, 16
     counts = torch.tensor([3, 0, 4, 0, 1])
     x = torch.randn(int(counts.sum()), d)
-    w1, w3, w2 = torch.randn(E, d, f), torch.randn(E, d, f), torch.randn(E, f, d)
+    ws = [torch.randn(E, d, f), torch.randn(E, d, f), torch.randn(E, f, d)]
+    w1, w3, w2 = (w.clone().requires_grad_() for w in ws)
     y = grouped_swiglu(x, counts, w1, w3, w2, backend)
+    r1, r3, r2 = (w.clone().requires_grad_() for w in ws)
     ref, start = [], 0
     for e, c in enumerate(counts.tolist()):
         xe = x[start:start + c]
-        ref.append((torch.nn.functional.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        ref.append((torch.nn.functional.silu(xe @ r1[e]) * (xe @ r3[e])) @ r2[e])
         start += c
-    torch.testing.assert_close(y, torch.cat(ref), atol=1e-5, rtol=1e-5)
+    ref = torch.cat(ref)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(y.shape)
+    y.backward(dy)
+    ref.backward(dy)
+    for w, r in ((w1, r1), (w3, r3), (w2, r2)):
+        torch.testing.assert_close(w.grad, r.grad, atol=1e-5, rtol=1e-5)
+        assert w.grad[counts == 0].abs().max() == 0  # experts without tokens get an exact zero gradient
 
 
 # ------------------------------------------------------------------------------------------ router math

@@ -240,10 +240,13 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
         h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
         return torch.bmm(act(h), w2)[expert, pos]
     if backend == "slices":
-        outs = []
+        # unbind, not w[e]: the backward of each w[e] select allocates and zero-fills a whole [E, ...]
+        # gradient (3 * E of them a layer, most of a CPU training step at 64 experts); unbind's backward
+        # stacks the E expert gradients once
+        outs, w1s, w3s, w2s = [], w1.unbind(0), w3.unbind(0), w2.unbind(0)
         for e, xe in enumerate(torch.split(x, counts.tolist())):
             if xe.shape[0]:
-                outs.append(act(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+                outs.append(act(F.silu(xe @ w1s[e]) * (xe @ w3s[e])) @ w2s[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
     raise ValueError(f"grouped backend {backend!r} is unknown; use one of {GROUPED_BACKENDS}")
 
