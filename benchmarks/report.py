@@ -173,9 +173,9 @@ def render(bench_dir: Path, old_block: str = "") -> str:
     machines = []
     old_rows, old_machines = previous(old_block)
     have = {p.stem for p in bench_dir.glob("*.json")}
-    for name in sorted(have | (set(old_rows) & set(HEADLINES))):
+    for name in sorted(have | (set(old_rows) & set(HEADLINES)) | set(old_machines)):
         if name not in have:
-            rows.extend(old_rows[name])
+            rows.extend(old_rows.get(name, []))
             if name in old_machines:
                 line = old_machines[name]
                 machines.append(line if line.endswith("(earlier run)") else f"{line} (earlier run)")
