@@ -119,14 +119,14 @@ def main(argv=None) -> dict:
         "machine": machine_before,
         "loadavg_1m_after": loadavg(),
     }
-    write_result(Path(args.out or bench_out("train", args.quick)), result, args.json)
+    out = write_result(Path(args.out or bench_out("train", args.quick)), result, args.json)
     if not args.json:
         print(f"{preset} on {trainer.device} ({result['dtype']}), batch {B} x {T}: {result['tokens_per_s']:.0f} "
               f"tokens/s, step {dt * 1e3:.0f} ms, MFU {result['mfu'] * 100:.1f}% of a measured "
               f"{peak / 1e9:.0f} GFLOP/s")
         for name, v in sorted(breakdown.items(), key=lambda kv: -kv[1]["share"]):
             print(f"  {name:<11} {v['share'] * 100:5.1f}%")
-        print(f"wrote {args.out}")
+        print(f"wrote {out}")
     return result
 
 
