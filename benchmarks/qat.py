@@ -2,7 +2,7 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
-                             [--qat-start F [--qat-lr-scale S]]
+                             [--qat-start F [--qat-lr-scale S]] [--resume] [--merge A.json ...]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
 here if missing). For each seed:
@@ -31,7 +31,8 @@ other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
 Writes runs/bench/qat.json (--quick: runs/bench/quick/qat.json) atomically, after every seed (a stopped run leaves the seeds it finished; --resume
-keeps them and runs only the missing seeds, so more seeds can be added to a finished run the same way).
+keeps them and runs only the missing seeds, so more seeds can be added to a finished run the same way; --merge
+A.json B.json keeps the seeds of other files of the same experiment, e.g. seeds split over two processes).
 """
 from __future__ import annotations
 
@@ -91,9 +92,17 @@ def quantize_head(model: K3Model, setting: str) -> K3Model:
     return model
 
 
-def _run_steps(trainer: Trainer, until: int, losses: list[float]) -> None:
-    while trainer.step < until:
-        losses.append(trainer.train_step()["loss"])
+def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "train") -> None:
+    """Train up to step `until`, with a progress bar on stderr (a line every 30 s when stderr is a file)."""
+    from tqdm.auto import tqdm
+
+    tty = sys.stderr.isatty()
+    with tqdm(total=until, initial=trainer.step, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=tty,
+              mininterval=0.5 if tty else 30.0, disable=until <= trainer.step) as bar:
+        while trainer.step < until:
+            losses.append(trainer.train_step()["loss"])
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.update(1)
 
 
 def _record(trainer: Trainer, losses: list[float], train_s: float, files, args, tokens_timed: int) -> dict:
@@ -125,12 +134,12 @@ def train_run(config, files, args, label: str, seed: int, setting: str | None = 
     snapshot = None
     t0 = time.perf_counter()
     if snapshot_at is not None:
-        _run_steps(trainer, snapshot_at, losses)
+        _run_steps(trainer, snapshot_at, losses, f"seed {seed} {label}")
         snapshot = {"step": trainer.step, "tokens": trainer.tokens, "losses": list(losses),
                     "model": copy.deepcopy(trainer.model.state_dict()),
                     "optimizer": copy.deepcopy(trainer.optimizer.state_dict()),
                     "rng": torch.get_rng_state()}
-    _run_steps(trainer, args.steps, losses)
+    _run_steps(trainer, args.steps, losses, f"seed {seed} {label}")
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens)
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
     return trainer.model, rec, snapshot
@@ -152,7 +161,7 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
     torch.set_rng_state(snapshot["rng"])
     losses = list(snapshot["losses"])
     t0 = time.perf_counter()
-    _run_steps(trainer, args.steps, losses)
+    _run_steps(trainer, args.steps, losses, f"seed {seed} {label}")
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens - snapshot["tokens"])
     rec["qat_from_step"] = snapshot["step"]
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
@@ -251,6 +260,9 @@ def main(argv=None) -> dict:
                     help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the seeds already in --out (same model, budget and settings) and run only the others")
+    ap.add_argument("--merge", nargs="+", default=(), metavar="JSON",
+                    help="also keep the seeds of these result files (runs of the same experiment, e.g. seeds split "
+                         "over two processes); every file must have measured the same thing")
     args = ap.parse_args(argv)
     args.out = args.out or str(bench_out("qat", args.quick))
     torch.set_num_threads(args.threads)
@@ -284,6 +296,14 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     machine_before = machine()
     runs: dict[str, dict] = resumed_runs(Path(args.out), config, args, names, ptq_names, seeds) if args.resume else {}
+    for path in map(Path, args.merge):
+        if not path.exists():
+            raise SystemExit(f"--merge: {path} does not exist; give result files written by this script")
+        for s, r in resumed_runs(path, config, args, names, ptq_names, seeds, "--merge").items():
+            if s in runs and _losses(runs[s]) != _losses(r):
+                raise SystemExit(f"--merge: seed {s} of {path} differs from the same seed kept from another "
+                                 "file; the runs are deterministic, so these files measured different things")
+            runs[s] = r
     kept = sorted(int(x) for x in runs)
     result: dict = {}
     for seed in seeds:
@@ -316,7 +336,13 @@ def main(argv=None) -> dict:
     return result
 
 
-def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str], seeds: list[int]) -> dict:
+def _losses(run: dict) -> dict:
+    """A seed's measured losses, without its timings (which differ between two runs of the same thing)."""
+    return {k: v.get("val_loss") for k, v in run.items()}
+
+
+def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str], seeds: list[int],
+                 flag: str = "--resume") -> dict:
     """The finished seeds of an earlier run written to `path`, when it measured the same thing: same model
     config, training budget (steps, batch, schedule, QAT start) and settings. Anything else is an error that
     names the difference, never a silent mix of two experiments."""
@@ -334,8 +360,8 @@ def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str
             "quick": prev.get("quick")}
     diff = [k for k in want if want[k] != have[k]]
     if diff:
-        raise SystemExit(f"--resume: {path} measured something else (differs in {', '.join(diff)}); "
-                         "pass another --out or drop --resume")
+        fix = "pass another --out or drop --resume" if flag == "--resume" else f"leave {path} out of --merge"
+        raise SystemExit(f"{flag}: {path} measured something else (differs in {', '.join(diff)}); {fix}")
     return {s: r for s, r in prev.get("runs", {}).items() if int(s) in seeds}
 
 

@@ -144,6 +144,8 @@ def test_resume_adds_seeds_and_equals_one_run(qat_bench, tmp_path, capsys):
     common = ["--quick", "--json", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.5"]
     part = tmp_path / "part.json"
     qat_bench.main(common + ["--seeds", "0", "--no-seed-spread", "--out", str(part)])
+    zero = tmp_path / "zero.json"
+    zero.write_text(part.read_text())
     resumed = qat_bench.main(common + ["--seeds", "0,1", "--resume", "--out", str(part)])
     whole = qat_bench.main(common + ["--seeds", "0,1", "--out", str(tmp_path / "whole.json")])
     assert resumed["seeds_kept_from_earlier_run"] == [0] and whole["seeds_kept_from_earlier_run"] == []
@@ -153,4 +155,26 @@ def test_resume_adds_seeds_and_equals_one_run(qat_bench, tmp_path, capsys):
     with pytest.raises(SystemExit, match="differs in qat_from_step"):
         qat_bench.main(["--quick", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.25",
                         "--seeds", "0,1", "--resume", "--out", str(part)])
+    # --merge: seed 1 run by a second process into its own file; merged, the record is the single run's again
+    one = tmp_path / "one.json"
+    qat_bench.main(common + ["--seeds", "1", "--no-seed-spread", "--out", str(one)])
+    merged = qat_bench.main(common + ["--seeds", "0,1", "--merge", str(zero), str(one),
+                                      "--out", str(tmp_path / "merged.json")])
+    assert merged["seeds_kept_from_earlier_run"] == [0, 1] and merged["runs"].keys() == whole["runs"].keys()
+    assert all(merged["runs"][s][k]["val_loss"] == whole["runs"][s][k]["val_loss"]
+               for s in whole["runs"] for k in whole["runs"][s])
+    for key in ("ptq_degradation_per_seed", "qat_gap_per_seed", "recovery", "verdict"):
+        assert merged["settings"]["harsh_head"][key] == whole["settings"]["harsh_head"][key]
+    with pytest.raises(SystemExit, match="--merge: .*differs in qat_from_step"):
+        qat_bench.main(["--quick", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.25",
+                        "--seeds", "0,1", "--merge", str(one), "--out", str(tmp_path / "m2.json")])
+    bad = json.loads(one.read_text())
+    bad["runs"]["1"]["fp32"]["val_loss"] += 0.5
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(SystemExit, match="--merge: seed 1 of .*differs"):
+        qat_bench.main(common + ["--seeds", "0,1", "--merge", str(one), str(tmp_path / "bad.json"),
+                                 "--out", str(tmp_path / "m4.json")])
+    with pytest.raises(SystemExit, match="--merge: .*does not exist"):
+        qat_bench.main(common + ["--seeds", "0", "--merge", str(tmp_path / "nope.json"),
+                                 "--out", str(tmp_path / "m3.json")])
     capsys.readouterr()
