@@ -2,7 +2,7 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
-                             [--qat-start F [--qat-lr-scale S]] [--resume] [--merge A.json ...]
+                             [--qat-start F [--qat-lr-scale S] [--qat-kd W]] [--resume] [--merge A.json ...]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
 here if missing). For each seed:
@@ -14,7 +14,9 @@ here if missing). For each seed:
          balancing bias, RNG) after F x steps and trains the remaining steps with the setting: the same token
          budget and schedule, QAT as the fine-tuning end of pretraining (as LLM-QAT, arXiv 2305.17888, starts
          from a trained model), and the first F x steps are shared with the fp32 run instead of re-drawn;
-         --qat-lr-scale S runs that QAT phase at S times the fp32 run's learning rate (same schedule shape)
+         --qat-lr-scale S runs that QAT phase at S times the fp32 run's learning rate (same schedule shape);
+         --qat-kd W trains it by distillation from the same seed's final fp32 model (LLM-QAT's recipe):
+         (1 - W) x CE + W x KL(fp32 || student), with a control run fp32_kd (the same distillation, no quant)
 Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
 recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
 back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
@@ -49,6 +51,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from k3.benchtools import bench_out
 from k3.config import PRESETS, K3Config, get_config
@@ -114,12 +117,35 @@ def _record(trainer: Trainer, losses: list[float], train_s: float, files, args, 
     return rec
 
 
-def make_trainer(config, files, args, seed: int, setting: str | None = None) -> Trainer:
+class DistillTrainer(Trainer):
+    """QAT with distillation from the full-precision model (LLM-QAT's recipe, arXiv 2305.17888): the objective
+    is (1 - w) * CE(student, next token) + w * KL(teacher || student), per token, temperature 1, on the same
+    batches. The teacher is frozen and evaluated without quantization."""
+
+    def __init__(self, *a, teacher: torch.nn.Module, kd_weight: float, **kw):
+        super().__init__(*a, **kw)
+        self.teacher, self.kd_weight = teacher.eval(), kd_weight
+
+    def loss_fn(self, logits, x, y):
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        with torch.no_grad():
+            t_logp = F.log_softmax(self.teacher(x).float().reshape(-1, logits.shape[-1]), dim=-1)
+        kl = F.kl_div(F.log_softmax(logits, dim=-1), t_logp, log_target=True, reduction="batchmean")
+        if self.kd_weight == 1.0:
+            return kl
+        return (1.0 - self.kd_weight) * F.cross_entropy(logits, y.reshape(-1)) + self.kd_weight * kl
+
+
+def make_trainer(config, files, args, seed: int, setting: str | None = None,
+                 teacher: torch.nn.Module | None = None) -> Trainer:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                      warmup_steps=args.warmup_steps, seed=seed, measure_mfu=False, record_attnres=False)
     if setting is not None:
         config = config.replace(qat=SETTINGS[setting][0])
-    trainer = Trainer(config, tc, files.train, None)  # no periodic eval: one full-split eval at the end
+    if teacher is None:
+        trainer = Trainer(config, tc, files.train, None)  # no periodic eval: one full-split eval at the end
+    else:
+        trainer = DistillTrainer(config, tc, files.train, None, teacher=teacher, kd_weight=args.qat_kd)
     if setting is not None:
         quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
     return trainer
@@ -145,12 +171,14 @@ def train_run(config, files, args, label: str, seed: int, setting: str | None = 
     return trainer.model, rec, snapshot
 
 
-def continue_run(config, files, args, label: str, seed: int, snapshot: dict, setting: str | None) -> dict:
+def continue_run(config, files, args, label: str, seed: int, snapshot: dict, setting: str | None,
+                 teacher: torch.nn.Module | None = None) -> dict:
     """QAT for the end of the budget: a model built with `setting` takes over the fp32 run's state at
     snapshot["step"] and trains the remaining steps with fake quant. The first steps are the fp32 run's own,
     so QAT - fp32 carries only the noise of the last steps. setting None continues in fp32 (the test that
-    the hand-over is exact: it must reproduce the fp32 run)."""
-    trainer = make_trainer(config, files, args, seed, setting)
+    the hand-over is exact: it must reproduce the fp32 run). teacher: train those steps by distillation from
+    it (DistillTrainer, weight args.qat_kd)."""
+    trainer = make_trainer(config, files, args, seed, setting, teacher)
     trainer.model.load_state_dict(snapshot["model"])
     # a copy: Optimizer.load_state_dict keeps the given state tensors and steps them in place, so without it
     # this run's moments (which have seen the batches after the snapshot) would leak into the next hand-over
@@ -164,6 +192,8 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
     _run_steps(trainer, args.steps, losses, f"seed {seed} {label}")
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens - snapshot["tokens"])
     rec["qat_from_step"] = snapshot["step"]
+    if teacher is not None:
+        rec["objective"] = f"{1 - args.qat_kd:g} x CE + {args.qat_kd:g} x KL(fp32 || student)"
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
     return rec
 
@@ -218,6 +248,19 @@ def summarize(degradations: list[float], gaps: list[float] | None, spread: float
     return out
 
 
+def kd_control(runs: dict, done: list[str], name: str, degradations: list[float]) -> dict:
+    """With --qat-kd, distillation may help by itself. The control run (fp32_kd: the same distillation steps
+    without quantization) separates that: QAT measured against it instead of against the fp32 run."""
+    own = [runs[s]["fp32_kd"]["val_loss"] - runs[s]["fp32"]["val_loss"] for s in done]
+    gaps = [runs[s][f"qat_{name}"]["val_loss"] - runs[s]["fp32_kd"]["val_loss"] for s in done]
+    d_mean = statistics.fmean(degradations)
+    g_mean, g_std, g_sem = mean_std_sem(gaps)
+    return {"kd_control_gain_per_seed": own, "kd_control_gain": statistics.fmean(own),
+            "qat_gap_vs_kd_control_per_seed": gaps, "qat_gap_vs_kd_control": g_mean,
+            "qat_gap_vs_kd_control_sem": g_sem,
+            "recovery_vs_kd_control": (d_mean - g_mean) / d_mean if d_mean > 0 else None}
+
+
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -254,6 +297,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--qat-lr-scale", type=float, default=1.0,
                     help="with --qat-start: multiply the learning rate of the QAT phase by this (default 1: the "
                          "fp32 run's schedule; e.g. 0.3)")
+    ap.add_argument("--qat-kd", type=float, default=0.0,
+                    help="with --qat-start: train the QAT phase by distillation from the same seed's final fp32 "
+                         "model, objective (1 - W) x CE + W x KL(fp32 || student) (default 0: plain CE; 1: pure "
+                         "distillation); also runs the control 'fp32_kd', the same steps distilled without "
+                         "quantization")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=None,
@@ -283,6 +331,9 @@ def main(argv=None) -> dict:
     if not args.qat_lr_scale > 0 or (args.qat_lr_scale != 1.0 and qat_from is None):
         raise SystemExit(f"--qat-lr-scale {args.qat_lr_scale}: give a factor > 0, with --qat-start > 0 (it scales "
                          "the learning rate of the QAT phase that continues the fp32 run)")
+    if not 0.0 <= args.qat_kd <= 1.0 or (args.qat_kd and qat_from is None):
+        raise SystemExit(f"--qat-kd {args.qat_kd}: give a weight in (0, 1] with --qat-start > 0 (the QAT phase "
+                         "distils from the final fp32 model of the same seed), or 0 for none")
     if qat_from is not None and qat_from >= args.steps:
         raise SystemExit(f"--qat-start {args.qat_start} of {args.steps} steps leaves no QAT step; lower it")
     names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
@@ -315,14 +366,18 @@ def main(argv=None) -> dict:
         for name in ptq_names + names:
             r[f"ptq_{name}"] = ptq(fp32_model, name, files, args)
             print(f"seed {seed} ptq_{name}: {json.dumps(r[f'ptq_{name}'])}", file=sys.stderr, flush=True)
+        teacher = fp32_model if args.qat_kd else None  # --qat-kd: the same seed's final fp32 model teaches
         del fp32_model
         if len(seeds) == 1 and not args.no_seed_spread:
             _, r["fp32_seed+1"], _ = train_run(config, files, args, "fp32_seed+1", seed + 1)
+        if teacher is not None:  # the control: the same distillation steps without quantization
+            r["fp32_kd"] = continue_run(config, files, args, "fp32_kd", seed, snapshot, None, teacher)
         for name in names:
             if snapshot is None:
                 _, r[f"qat_{name}"], _ = train_run(config, files, args, f"qat_{name}", seed, setting=name)
             else:
-                r[f"qat_{name}"] = continue_run(config, files, args, f"qat_{name}", seed, snapshot, name)
+                r[f"qat_{name}"] = continue_run(config, files, args, f"qat_{name}", seed, snapshot, name, teacher)
+        del teacher
         result = report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept)
         atomic_write_json(Path(args.out), result)
     if not result:  # every seed was kept from the earlier run: nothing new was written yet
@@ -351,10 +406,11 @@ def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str
     prev = json.loads(path.read_text())
     want = {"config": config.to_dict(), "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "lr": args.lr, "warmup_steps": args.warmup_steps, "qat_from_step": args.qat_from_step,
-            "qat_lr_scale": args.qat_lr_scale, "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
+            "qat_lr_scale": args.qat_lr_scale, "qat_kd": args.qat_kd, "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
     have = {"config": prev.get("config"), **{k: prev.get("budget", {}).get(k) for k in
             ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "qat_from_step")},
             "qat_lr_scale": prev.get("budget", {}).get("qat_lr_scale", 1.0),
+            "qat_kd": prev.get("budget", {}).get("qat_kd", 0.0),
             "settings": sorted(n for n, v in prev.get("settings", {}).items() if v.get("trained")),
             "ptq_only": sorted(n for n, v in prev.get("settings", {}).items() if not v.get("trained")),
             "quick": prev.get("quick")}
@@ -382,6 +438,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
             if name in names else None
         qat, head = SETTINGS[name]
         settings[name] = {"qat": qat, "head": head, "trained": name in names, **summarize(deg, gaps, spread)}
+        if gaps is not None and all("fp32_kd" in runs[s] for s in done):
+            settings[name].update(kd_control(runs, done, name, deg))
     fp32_mean, fp32_std, _ = mean_std_sem(fp32)
     val_windows = (files.val.n_tokens - 1) // args.seq_len
     return {
@@ -393,7 +451,7 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
                    "warmup_steps": args.warmup_steps, "optimizer": "adamw", "qat_start": args.qat_start,
-                   "qat_lr_scale": args.qat_lr_scale,
+                   "qat_lr_scale": args.qat_lr_scale, "qat_kd": args.qat_kd,
                    "qat_from_step": args.qat_from_step},
         "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,
@@ -408,6 +466,10 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
                        "qat_from_step > 0 the QAT run is the fp32 run up to that step, fake-quantized after it",
             "recovery": "(ptq_degradation - qat_gap) / ptq_degradation: from the means",
             "recovery_low": "recovery with qat_gap + 2 * qat_gap_sem in place of qat_gap",
+            "kd_control_gain": "with qat_kd > 0: mean over seeds of fp32_kd val loss - fp32 val loss, where fp32_kd "
+                               "is the fp32 run's QAT phase distilled without quantization (what distillation "
+                               "does by itself)",
+            "recovery_vs_kd_control": "(ptq_degradation - mean(QAT - fp32_kd)) / ptq_degradation",
             "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",
             "_std / _sem": "sample standard deviation over seeds / that divided by sqrt(number of seeds)",
             "seed_spread": "mean |fp32 val loss (seed i) - fp32 val loss (seed j)| over seed pairs (one seed: "
@@ -435,6 +497,11 @@ def print_table(result: dict, names: list[str], ptq_names: list[str]) -> None:
         if r["trained"]:
             rec = "n/a" if r["recovery"] is None else f"{r['recovery']:.2f}"
             line += f", QAT - fp32 {pm(r['qat_gap'], r['qat_gap_std'])}, recovery {rec}, {r['verdict']}"
+            if "kd_control_gain" in r:
+                rk = r["recovery_vs_kd_control"]
+                line += (f"; distillation alone (fp32_kd - fp32) {r['kd_control_gain']:+.4f}, QAT - fp32_kd "
+                         f"{r['qat_gap_vs_kd_control']:+.4f}, recovery against it "
+                         f"{'n/a' if rk is None else f'{rk:.2f}'}")
         print(line)
 
 

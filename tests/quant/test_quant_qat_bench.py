@@ -178,3 +178,53 @@ def test_resume_adds_seeds_and_equals_one_run(qat_bench, tmp_path, capsys):
         qat_bench.main(common + ["--seeds", "0", "--merge", str(tmp_path / "nope.json"),
                                  "--out", str(tmp_path / "m3.json")])
     capsys.readouterr()
+
+
+def test_distill_objective_against_a_reference(qat_bench):
+    """DistillTrainer.loss_fn: (1 - w) CE + w KL(teacher || student), KL summed over the vocabulary and averaged
+    over tokens, computed from the teacher's logits on the same inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    B, T, V = 2, 5, 11
+    x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    s_logits, t_table = torch.randn(B, T, V), torch.randn(V, V)
+
+    class Teacher(torch.nn.Module):
+        def forward(self, ids):
+            return t_table[ids]
+
+    obj = object.__new__(qat_bench.DistillTrainer)  # only loss_fn is exercised: no model or data needed
+    obj.teacher = Teacher()
+    p_t = torch.softmax(t_table[x], -1)
+    kl_ref = (p_t * (p_t.log() - torch.log_softmax(s_logits, -1))).sum(-1).mean()
+    ce = F.cross_entropy(s_logits.reshape(-1, V), y.reshape(-1))
+    for w in (1.0, 0.25):
+        obj.kd_weight = w
+        assert qat_bench.DistillTrainer.loss_fn(obj, s_logits, x, y).item() == pytest.approx(
+            float((1 - w) * ce + w * kl_ref), rel=1e-5)
+    obj.kd_weight = 1.0  # a student equal to its teacher has nothing to learn
+    assert qat_bench.DistillTrainer.loss_fn(obj, t_table[x], x, y).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_qat_kd_runs_the_distillation_arm_and_its_control(qat_bench, tmp_path, capsys):
+    r = qat_bench.main(["--quick", "--json", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "",
+                        "--qat-start", "0.5", "--qat-kd", "0.5", "--out", str(tmp_path / "kd.json")])
+    plain = qat_bench.main(["--quick", "--json", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "",
+                            "--qat-start", "0.5", "--out", str(tmp_path / "plain.json")])
+    assert r["budget"]["qat_kd"] == 0.5 and plain["budget"]["qat_kd"] == 0.0
+    for s in ("0", "1"):
+        assert r["runs"][s]["fp32"]["val_loss"] == plain["runs"][s]["fp32"]["val_loss"]  # same fp32 run
+        assert r["runs"][s]["qat_harsh_head"]["val_loss"] != plain["runs"][s]["qat_harsh_head"]["val_loss"]
+        assert r["runs"][s]["fp32_kd"]["objective"].startswith("0.5 x CE")
+    h = r["settings"]["harsh_head"]
+    own = [r["runs"][s]["fp32_kd"]["val_loss"] - r["runs"][s]["fp32"]["val_loss"] for s in ("0", "1")]
+    assert h["kd_control_gain_per_seed"] == pytest.approx(own)
+    gaps = [r["runs"][s]["qat_harsh_head"]["val_loss"] - r["runs"][s]["fp32_kd"]["val_loss"] for s in ("0", "1")]
+    assert h["recovery_vs_kd_control"] == pytest.approx((h["ptq_degradation"] - sum(gaps) / 2) / h["ptq_degradation"])
+    assert "kd_control_gain" not in plain["settings"]["harsh_head"]
+    for bad in (["--qat-kd", "0.5"], ["--qat-start", "0.5", "--qat-kd", "1.5"]):
+        with pytest.raises(SystemExit, match="--qat-kd"):
+            qat_bench.main(["--quick", "--settings", "harsh_head", "--out", str(tmp_path / "q.json")] + bad)
+    capsys.readouterr()

@@ -416,6 +416,11 @@ class Trainer:
         self.schedule = self.tc.schedule(total, warmup=self.schedule.warmup_steps)
 
     # ------------------------------------------------------------------ loop
+    def loss_fn(self, logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training objective of one micro-batch (inputs x, targets y), logged as the step's loss:
+        next-token cross-entropy. A subclass may replace it (e.g. distillation from a teacher on x)."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
     def train_step(self) -> dict:
         """One optimizer step (accum micro-batches); returns the step's metrics record."""
         tc, model = self.tc, self.model
@@ -433,7 +438,7 @@ class Trainer:
             t1 = time.perf_counter()
             with record_function("k3::forward"), _autocast(self.device):
                 logits = self.forward(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss = self.loss_fn(logits, x, y)
                 aux = model.aux_loss()
                 total = loss + aux
             t2 = time.perf_counter()
