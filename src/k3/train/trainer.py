@@ -7,7 +7,7 @@ order is a pure function of (seed, step) and a resumed run sees exactly the batc
 would. Together with restored model/optimizer/RNG state this makes resume on CPU bitwise exact.
 
 Per optimizer step:
-  for each micro-batch: loss = CE(model(x), y) + model.aux_loss(); (loss / accum).backward()
+  for each micro-batch: loss = loss_fn (CE(model(x), y) by default) + model.aux_loss(); (loss / accum).backward()
   grad-norm clipping -> optimizer.step() -> QK-Clip of MLA heads (MuonClip) -> model.update_balancing()
 CPU runs in fp32; CUDA uses bf16 autocast. Optional: activation checkpointing (recompute each token mixer
 and channel mixer in backward), torch.compile (off by default; on CPU it did not help, docs/training.md).
