@@ -61,6 +61,22 @@ HEADLINES = {
         ("settings.harsh.qat_gap", "QAT (last 10% of the budget) val loss - fp32, all block linears W4A8 (nats, 8 seeds)", ""),
         ("settings.harsh.recovery", "QAT recovery, all block linears W4A8, QAT for the last 10%", ">= 0.8"),
     ],
+    "qat-harsh-steps600-start0.8": [
+        ("settings.harsh.recovery", "QAT recovery, all block linears W4A8, 600 steps (8 seeds)", ">= 0.8"),
+        ("settings.harsh_head.recovery", "QAT recovery, every linear incl. head W4A8, 600 steps (8 seeds)", ">= 0.8"),
+    ],
+    "qat-mini-start0.8": [
+        ("settings.harsh.ptq_degradation", "mini: PTQ val loss - fp32, all block linears W4A8 (nats, seed mean)", ""),
+        ("settings.harsh.qat_gap", "mini: QAT (last 20% of the budget) val loss - fp32, same setting (nats)", ""),
+        ("settings.harsh.recovery", "mini: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.recovery_low", "mini: same, QAT gap moved up by 2 SE", ""),
+        ("settings.harsh_head.ptq_degradation", "mini: PTQ val loss - fp32, every linear incl. head W4A8 (nats)", ""),
+        ("settings.harsh_head.qat_gap", "mini: QAT val loss - fp32, every linear incl. head W4A8 (nats)", ""),
+        ("settings.harsh_head.recovery", "mini: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+        ("settings.harsh_head.recovery_low", "mini: same, QAT gap moved up by 2 SE", ""),
+        ("settings.harsh_head.verdict", "mini: recovery target, every linear W4A8", "met"),
+        ("settings.k3.ptq_degradation", "mini: PTQ val loss - fp32, K3's setting (nats, seed mean)", ""),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
