@@ -77,6 +77,11 @@ HEADLINES = {
         ("settings.harsh_head.verdict", "mini: recovery target, every linear W4A8", "met"),
         ("settings.k3.ptq_degradation", "mini: PTQ val loss - fp32, K3's setting (nats, seed mean)", ""),
     ],
+    "qat-kd0.5-harsh_head": [
+        ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
+        ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
+        ("settings.harsh_head.recovery_vs_kd_control", "same, against the distillation control", ""),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
