@@ -34,7 +34,8 @@ The default model is `mini-s`, a mini-shaped model scaled down so that each run 
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
 Writes runs/bench/qat.json (--quick: runs/bench/quick/qat.json) atomically, after every seed (a stopped run leaves the seeds it finished; --resume
 keeps them and runs only the missing seeds, so more seeds can be added to a finished run the same way; --merge
-A.json B.json keeps the seeds of other files of the same experiment, e.g. seeds split over two processes).
+A.json B.json keeps the seeds of other files of the same experiment, e.g. seeds split over two processes; a file
+that also ran PTQ-only settings not named in --ptq-only is accepted, those figures left out).
 """
 from __future__ import annotations
 
@@ -414,11 +415,17 @@ def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str
             "settings": sorted(n for n, v in prev.get("settings", {}).items() if v.get("trained")),
             "ptq_only": sorted(n for n, v in prev.get("settings", {}).items() if not v.get("trained")),
             "quick": prev.get("quick")}
+    # --merge may take a file that also evaluated PTQ of other settings: those extra figures are left out
+    extra = set(have["ptq_only"]) - set(want["ptq_only"]) if flag == "--merge" else set()
+    if extra and set(want["ptq_only"]) <= set(have["ptq_only"]):
+        have["ptq_only"] = want["ptq_only"]
     diff = [k for k in want if want[k] != have[k]]
     if diff:
         fix = "pass another --out or drop --resume" if flag == "--resume" else f"leave {path} out of --merge"
         raise SystemExit(f"{flag}: {path} measured something else (differs in {', '.join(diff)}); {fix}")
-    return {s: r for s, r in prev.get("runs", {}).items() if int(s) in seeds}
+    drop = {f"ptq_{n}" for n in extra}
+    return {s: {k: v for k, v in r.items() if k not in drop}
+            for s, r in prev.get("runs", {}).items() if int(s) in seeds}
 
 
 def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_before, kept=()) -> dict:

@@ -168,6 +168,18 @@ def test_resume_adds_seeds_and_equals_one_run(qat_bench, tmp_path, capsys):
     with pytest.raises(SystemExit, match="--merge: .*differs in qat_from_step"):
         qat_bench.main(["--quick", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.25",
                         "--seeds", "0,1", "--merge", str(one), "--out", str(tmp_path / "m2.json")])
+    # a file that also evaluated PTQ of another setting merges; that setting's figures are left out
+    wider = tmp_path / "wider.json"
+    qat_bench.main([*common[:4], "--ptq-only", "k3", *common[6:], "--seeds", "1", "--no-seed-spread",
+                    "--out", str(wider)])
+    assert "ptq_k3" in json.loads(wider.read_text())["runs"]["1"]
+    merged = qat_bench.main(common + ["--seeds", "0,1", "--merge", str(zero), str(wider),
+                                      "--out", str(tmp_path / "merged2.json")])
+    assert merged["runs"]["1"].keys() == whole["runs"]["1"].keys() and "k3" not in merged["settings"]
+    assert merged["settings"]["harsh_head"]["recovery"] == whole["settings"]["harsh_head"]["recovery"]
+    with pytest.raises(SystemExit, match="--merge: .*differs in ptq_only"):  # a setting the file lacks
+        qat_bench.main([*common[:4], "--ptq-only", "harsh", *common[6:], "--seeds", "0,1", "--merge",
+                        str(wider), "--out", str(tmp_path / "m5.json")])
     bad = json.loads(one.read_text())
     bad["runs"]["1"]["fp32"]["val_loss"] += 0.5
     (tmp_path / "bad.json").write_text(json.dumps(bad))
