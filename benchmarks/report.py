@@ -77,6 +77,21 @@ HEADLINES = {
         ("settings.harsh_head.verdict", "mini: recovery target, every linear W4A8", "met"),
         ("settings.k3.ptq_degradation", "mini: PTQ val loss - fp32, K3's setting (nats, seed mean)", ""),
     ],
+    "qat-mini-start0.8-seeds8-15": [
+        ("settings.harsh.ptq_degradation", "mini, new seeds 8-15: PTQ val loss - fp32, all block linears W4A8 (nats)", ""),
+        ("settings.harsh.qat_gap", "mini, seeds 8-15: QAT (last 20%) val loss - fp32, same setting (nats)", ""),
+        ("settings.harsh.recovery", "mini, seeds 8-15: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.verdict", "mini, seeds 8-15: recovery target, all block linears W4A8", "met"),
+        ("settings.harsh_head.ptq_degradation", "mini, seeds 8-15: PTQ val loss - fp32, every linear W4A8 (nats)", ""),
+        ("settings.harsh_head.qat_gap", "mini, seeds 8-15: QAT val loss - fp32, every linear W4A8 (nats)", ""),
+        ("settings.harsh_head.recovery", "mini, seeds 8-15: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+    ],
+    "qat-mini-start0.8-seeds0-15": [
+        ("settings.harsh.recovery", "mini, seeds 0-15 pooled: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.recovery_low", "mini, seeds 0-15 pooled: same, QAT gap moved up by 2 SE", ""),
+        ("settings.harsh_head.recovery", "mini, seeds 0-15 pooled: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+        ("settings.harsh_head.recovery_low", "mini, seeds 0-15 pooled: same, QAT gap moved up by 2 SE", ""),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
