@@ -97,6 +97,23 @@ HEADLINES = {
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
         ("settings.harsh_head.recovery_vs_kd_control", "same, against the distillation control", ""),
     ],
+    "moe_contrib": [
+        ("cost_no_routed.mean", "mini-s, 200 steps: val loss without the routed experts - with them (nats, seed mean)", ""),
+        ("cost_no_routed.sem", "standard error of that mean (nats)", ""),
+        ("cost_no_shared.mean", "mini-s, 200 steps: val loss without the shared expert - with it (nats, seed mean)", ""),
+        ("routed_rms_over_input", "mini-s: routed-path output RMS / MoE input RMS", ""),
+        ("shared_rms_over_input", "mini-s: shared-expert output RMS / MoE input RMS", ""),
+    ],
+    "moe_contrib-steps600": [
+        ("cost_no_routed.mean", "mini-s, 600 steps: val loss without the routed experts - with them (nats)", ""),
+        ("cost_no_shared.mean", "mini-s, 600 steps: val loss without the shared expert - with it (nats)", ""),
+    ],
+    "moe_contrib-mini": [
+        ("cost_no_routed.mean", "mini, 200 steps: val loss without the routed experts - with them (nats)", ""),
+        ("cost_no_shared.mean", "mini, 200 steps: val loss without the shared expert - with it (nats)", ""),
+        ("routed_rms_over_input", "mini: routed-path output RMS / MoE input RMS", ""),
+        ("shared_rms_over_input", "mini: shared-expert output RMS / MoE input RMS", ""),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
