@@ -97,17 +97,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
-    ap.add_argument("--preset", default="mini-s", help="mini-s (default, as benchmarks/qat.py), mini, or any preset")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup-steps", type=int, default=10)
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default 0,1,2)")
-    ap.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the whole split)")
+    qat_bench.add_run_args(ap)  # --preset --steps --batch-size --seq-len --lr --warmup-steps --seeds ... --data
     ap.add_argument("--norm-batches", type=int, default=4, help="validation batches for the output RMS (default 4)")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
-    ap.add_argument("--data", default=str(qat_bench.ROOT / "runs" / "data"))
     ap.add_argument("--out", default=None, help="result JSON (default runs/bench/moe_contrib.json)")
     args = ap.parse_args(argv)
     args.out = args.out or str(bench_out("moe_contrib", args.quick))
@@ -116,12 +107,7 @@ def main(argv=None) -> dict:
         args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
         args.eval_batches, args.norm_batches = args.eval_batches or 2, 1
     args.steps = args.steps or 200
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: use comma-separated integers, e.g. --seeds 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds {args.seeds!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
+    seeds = qat_bench.parse_seeds(args.seeds)
     if args.steps < 1 or args.norm_batches < 1:
         raise SystemExit("--steps and --norm-batches must be >= 1")
     config = qat_bench.base_config(args.preset, args.quick)

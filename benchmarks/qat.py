@@ -276,10 +276,9 @@ def names_of(spec: str, flag: str) -> list[str]:
     return names
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The model, training budget, seeds and data options shared by the scripts that train like this one
+    (benchmarks/moe_contrib.py): the same flags give the same fp32 runs."""
     ap.add_argument("--preset", default="mini-s", help="mini-s (default), mini, or any preset")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (default 200)")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -288,6 +287,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (default 0,1,2)")
     ap.add_argument("--eval-batches", type=int, default=None, help="validation batches (default: the whole split)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
+    ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; anything else (non-integers, repeats, nothing) exits with a message."""
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds {spec!r}: use comma-separated integers, e.g. --seeds 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {spec!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
+    return seeds
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
+    add_run_args(ap)
     ap.add_argument("--settings", default="k3,harshest,harshest_head",
                     help=f"PTQ + QAT, comma-separated, of {', '.join(SETTINGS)}")
     ap.add_argument("--ptq-only", default="harsh", help="settings given the PTQ evaluation only ('' for none)")
@@ -303,8 +322,6 @@ def main(argv=None) -> dict:
                          "model, objective (1 - W) x CE + W x KL(fp32 || student) (default 0: plain CE; 1: pure "
                          "distillation); also runs the control 'fp32_kd', the same steps distilled without "
                          "quantization")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the machine is shared)")
-    ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
     ap.add_argument("--out", default=None,
                     help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
@@ -319,12 +336,7 @@ def main(argv=None) -> dict:
         args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
         args.eval_batches = args.eval_batches or 2
     args.steps = args.steps or 200
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: use comma-separated integers, e.g. --seeds 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds {args.seeds!r}: give one or more distinct integers, e.g. --seeds 0,1,2")
+    seeds = parse_seeds(args.seeds)
     if not 0.0 <= args.qat_start < 1.0:
         raise SystemExit(f"--qat-start {args.qat_start}: give a fraction in [0, 1), e.g. 0.8 (0 = QAT from scratch)")
     args.qat_from_step = round(args.qat_start * args.steps)
