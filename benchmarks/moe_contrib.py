@@ -1,6 +1,7 @@
 """What do the MoE's routed experts contribute after training? Validation loss with parts of every MoE removed.
 
     python benchmarks/moe_contrib.py [--json] [--quick] [--preset mini-s|mini] [--steps N] [--seeds 0,1,2]
+                                     [--set FIELD=VALUE ...]
 
 For each seed: train the model in fp32 exactly as benchmarks/qat.py does (same corpus, budget, schedule and
 seeds, so its fp32 runs are the same runs), then evaluate the trained weights on the whole validation split
@@ -28,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qat as qat_bench  # noqa: E402  (the same model presets, fp32 training and evaluation)
 
+from k3.ablate.cli import parse_sets  # noqa: E402
 from k3.benchtools import bench_out, machine, write_result  # noqa: E402
+from k3.config import K3ConfigError  # noqa: E402
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data  # noqa: E402
 from k3.model.moe import MoE  # noqa: E402
 from k3.train.trainer import evaluate  # noqa: E402
@@ -99,6 +102,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
     qat_bench.add_run_args(ap)  # --preset --steps --batch-size --seq-len --lr --warmup-steps --seeds ... --data
     ap.add_argument("--norm-batches", type=int, default=4, help="validation batches for the output RMS (default 4)")
+    ap.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
+                    help="override one model config field, e.g. --set routed_scale=2.827 (repeatable)")
     ap.add_argument("--out", default=None, help="result JSON (default runs/bench/moe_contrib.json)")
     args = ap.parse_args(argv)
     args.out = args.out or str(bench_out("moe_contrib", args.quick))
@@ -110,7 +115,12 @@ def main(argv=None) -> dict:
     seeds = qat_bench.parse_seeds(args.seeds)
     if args.steps < 1 or args.norm_batches < 1:
         raise SystemExit("--steps and --norm-batches must be >= 1")
-    config = qat_bench.base_config(args.preset, args.quick)
+    try:
+        config = qat_bench.base_config(args.preset, args.quick)
+        if args.set:
+            config = config.replace(**parse_sets(args.set))
+    except K3ConfigError as e:
+        raise SystemExit(str(e)) from None
     if config.n_layers <= config.n_dense_layers:
         raise SystemExit(f"preset {args.preset!r} has no MoE layer: nothing to measure")
     data = args.data if config.vocab_size == DEFAULT_VOCAB_SIZE else f"{args.data}-v{config.vocab_size}"

@@ -61,3 +61,13 @@ def test_quick_run_writes_paired_costs(contrib, tmp_path, capsys):
         assert r[f"{part}_rms_over_input"] >= 0
     with pytest.raises(SystemExit, match="--seeds"):
         contrib.main(["--quick", "--seeds", "0,0", "--out", str(out)])
+
+
+def test_set_overrides_the_config_and_rejects_bad_fields(contrib, tmp_path):
+    r = contrib.main(["--quick", "--seeds", "0", "--set", "n_shared_experts=0", "--out", str(tmp_path / "c.json")])
+    assert r["config"]["n_shared_experts"] == 0
+    assert "cost_no_shared" not in r and "no_shared" not in r["runs"]["0"]  # nothing to remove
+    with pytest.raises(SystemExit, match="n_experts"):
+        contrib.main(["--quick", "--set", "n_experts=x", "--out", str(tmp_path / "c.json")])
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        contrib.main(["--quick", "--set", "no_such_field=1", "--out", str(tmp_path / "c.json")])
