@@ -98,6 +98,7 @@ HEADLINES = {
         ("settings.harsh_head.recovery_vs_kd_control", "same, against the distillation control", ""),
     ],
     "moe_contrib": [
+        ("val_loss.mean", "mini-s, 200 steps: val loss (seed mean)", ""),
         ("cost_no_routed.mean", "mini-s, 200 steps: val loss without the routed experts - with them (nats, seed mean)", ""),
         ("cost_no_routed.sem", "standard error of that mean (nats)", ""),
         ("cost_no_shared.mean", "mini-s, 200 steps: val loss without the shared expert - with it (nats, seed mean)", ""),
@@ -107,6 +108,20 @@ HEADLINES = {
     "moe_contrib-steps600": [
         ("cost_no_routed.mean", "mini-s, 600 steps: val loss without the routed experts - with them (nats)", ""),
         ("cost_no_shared.mean", "mini-s, 600 steps: val loss without the shared expert - with it (nats)", ""),
+    ],
+    "moe_contrib-routed_scale2.827": [
+        ("val_loss.mean", "mini-s, 200 steps, routed_scale 2.827 (k3's, mini has 1.0): val loss (seed mean)", ""),
+        ("cost_no_routed.mean", "same model: val loss without the routed experts - with them (nats)", ""),
+    ],
+    "moe_contrib-no_shared": [
+        ("val_loss.mean", "mini-s, 200 steps, no shared expert: val loss (seed mean)", ""),
+        ("cost_no_routed.mean", "same model: val loss without the routed experts - with them (nats)", ""),
+    ],
+    "moe_contrib-one_latent": [
+        ("cost_no_routed.mean", "mini-s, 200 steps, one routed expert top-1 in latent space, no shared: cost of removing it (nats)", ""),
+    ],
+    "moe_contrib-one_standard": [
+        ("cost_no_routed.mean", "same, one routed expert at full width (moe=standard): cost of removing it (nats)", ""),
     ],
     "moe_contrib-mini": [
         ("cost_no_routed.mean", "mini, 200 steps: val loss without the routed experts - with them (nats)", ""),
