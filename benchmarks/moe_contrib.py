@@ -67,6 +67,10 @@ def removed(model: torch.nn.Module, part: str):
             h.remove()
 
 
+def _rms(t: torch.Tensor) -> float:
+    return t.float().pow(2).mean().sqrt().item()
+
+
 def output_rms(model: torch.nn.Module, files, args) -> dict:
     """RMS of each part's output over the RMS of the MoE input, averaged over MoE layers and batches."""
     sums: dict[str, list[float]] = {p: [] for p in PARTS}
@@ -74,13 +78,13 @@ def output_rms(model: torch.nn.Module, files, args) -> dict:
     handles = []
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         handles.append(moe.register_forward_pre_hook(
-            lambda mod, inp: current.__setitem__(id(mod), inp[0].float().pow(2).mean().sqrt().item())))
+            lambda mod, inp: current.__setitem__(id(mod), _rms(inp[0]))))
         for part in PARTS:
             sub = part_module(moe, part)
             if sub is not None:
                 handles.append(sub.register_forward_hook(
                     lambda mod, inp, out, moe=moe, part=part:
-                    sums[part].append(out.float().pow(2).mean().sqrt().item() / current[id(moe)])))
+                    sums[part].append(_rms(out) / current[id(moe)])))
     try:
         evaluate(model, files.val, args.norm_batches, args.batch_size, args.seq_len)
     finally:
@@ -90,10 +94,8 @@ def output_rms(model: torch.nn.Module, files, args) -> dict:
 
 
 def summarize(costs: list[float]) -> dict:
-    n = len(costs)
-    mean = statistics.fmean(costs)
-    std = statistics.stdev(costs) if n > 1 else None
-    return {"mean": mean, "std": std, "sem": std / n ** 0.5 if std is not None else None, "per_seed": costs}
+    mean, std, sem = qat_bench.mean_std_sem(costs)
+    return {"mean": mean, "std": std, "sem": sem, "per_seed": costs}
 
 
 def main(argv=None) -> dict:
