@@ -59,7 +59,8 @@ from k3.config import PRESETS, K3Config, get_config
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data
 from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
-from k3.quant.fake import QATLinear
+from k3.model.moe import RoutedExperts
+from k3.quant.fake import QATLinear, fake_quant
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,8 +97,57 @@ def quantize_head(model: K3Model, setting: str) -> K3Model:
     return model
 
 
-def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "train") -> None:
-    """Train up to step `until`, with a progress bar on stderr (a line every 30 s when stderr is a file)."""
+def quantized_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, parameter, MX format) of every weight `model` fake-quantizes: the QATLinears' weights (head
+    included when wrapped) and the routed experts' w1, w3, w2; all are quantized in blocks along dim 1."""
+    out = []
+    for mname, m in model.named_modules():
+        if isinstance(m, QATLinear):
+            out.append((f"{mname}.weight", m.weight, m.weight_format))
+        elif isinstance(m, RoutedExperts) and m.weight_format:
+            out += [(f"{mname}.{w}", getattr(m, w), m.weight_format) for w in ("w1", "w3", "w2")]
+    return out
+
+
+class CodeTracker:
+    """--diagnose: how the quantized weights move during the QAT phase. After every optimizer step it compares
+    each weight's quantized values (element code and block scale together) with those after the step before:
+    `changes` counts the elements whose quantized value changed, `reverts` those that changed back to the value
+    of two steps ago (a weight oscillating between two grid points, as Nagel et al., arXiv 2203.11086, and
+    TetraJet, arXiv 2502.20853, describe)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.weights = quantized_weights(model)
+        self.n = sum(p.numel() for _, p, _ in self.weights)
+        self.start = self.prev = self._quantized()
+        self.before: list[torch.Tensor] | None = None
+        self.changes: list[int] = []
+        self.reverts: list[int] = []
+
+    @torch.no_grad()
+    def _quantized(self) -> list[torch.Tensor]:
+        return [fake_quant(p.detach(), fmt, dim=1) for _, p, fmt in self.weights]
+
+    def __call__(self) -> None:
+        now = self._quantized()
+        self.changes.append(sum(int((a != b).sum()) for a, b in zip(now, self.prev)))
+        self.reverts.append(0 if self.before is None else
+                            sum(int(((a != b) & (a == c)).sum()) for a, b, c in zip(now, self.prev, self.before)))
+        self.before, self.prev = self.prev, now
+
+    def summary(self) -> dict:
+        k = min(5, len(self.changes))
+        changed = sum(int((a != b).sum()) for a, b in zip(self.prev, self.start))
+        return {"quantized_weights": self.n, "steps": len(self.changes),
+                "change_rate_first5": sum(self.changes[:k]) / k / self.n if k else None,
+                "change_rate_last5": sum(self.changes[-k:]) / k / self.n if k else None,
+                "revert_share": sum(self.reverts) / sum(self.changes) if sum(self.changes) else None,
+                "changed_over_phase": changed / self.n}
+
+
+def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "train", after_step=None) -> None:
+    """Train up to step `until`, with a progress bar on stderr (a line every 30 s when stderr is a file);
+    `after_step()` is called after every optimizer step."""
     from tqdm.auto import tqdm
 
     tty = sys.stderr.isatty()
@@ -105,6 +155,8 @@ def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "t
               mininterval=0.5 if tty else 30.0, disable=until <= trainer.step) as bar:
         while trainer.step < until:
             losses.append(trainer.train_step()["loss"])
+            if after_step is not None:
+                after_step()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
             bar.update(1)
 
@@ -189,10 +241,15 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
     trainer.step, trainer.tokens = snapshot["step"], snapshot["tokens"]
     torch.set_rng_state(snapshot["rng"])
     losses = list(snapshot["losses"])
+    tracker = CodeTracker(trainer.model) if getattr(args, "diagnose", False) and setting is not None else None
     t0 = time.perf_counter()
-    _run_steps(trainer, args.steps, losses, f"seed {seed} {label}")
+    _run_steps(trainer, args.steps, losses, f"seed {seed} {label}", tracker)
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens - snapshot["tokens"])
     rec["qat_from_step"] = snapshot["step"]
+    if tracker is not None:  # the same trained weights evaluated without any quantization
+        latent = K3Model(config)
+        latent.load_state_dict(trainer.model.state_dict())
+        rec["diagnosis"] = {"latent_val_loss": val(latent, files, args)["val_loss"], **tracker.summary()}
     if teacher is not None:
         rec["objective"] = f"{1 - args.qat_kd:g} x CE + {args.qat_kd:g} x KL(fp32 || student)"
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
@@ -262,6 +319,21 @@ def kd_control(runs: dict, done: list[str], name: str, degradations: list[float]
             "recovery_vs_kd_control": (d_mean - g_mean) / d_mean if d_mean > 0 else None}
 
 
+def diagnosis(runs: dict, done: list[str], name: str) -> dict:
+    """--diagnose, per setting: the QAT gap split into the QAT weights' own fp32 quality (latent - fp32) and
+    what quantizing them costs (QAT - latent), and the means over seeds of the code-change statistics."""
+    d = [runs[s][f"qat_{name}"]["diagnosis"] for s in done]
+    latent = [x["latent_val_loss"] - runs[s]["fp32"]["val_loss"] for x, s in zip(d, done)]
+    own = [runs[s][f"qat_{name}"]["val_loss"] - x["latent_val_loss"] for x, s in zip(d, done)]
+    out = {"latent_gap_per_seed": latent, "own_quant_cost_per_seed": own}
+    for key, xs in (("latent_gap", latent), ("own_quant_cost", own)):
+        out[key], _, out[f"{key}_sem"] = mean_std_sem(xs)
+    for key in ("change_rate_first5", "change_rate_last5", "revert_share", "changed_over_phase"):
+        vals = [x[key] for x in d if x[key] is not None]
+        out[key] = statistics.fmean(vals) if vals else None
+    return out
+
+
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -322,6 +394,9 @@ def main(argv=None) -> dict:
                          "model, objective (1 - W) x CE + W x KL(fp32 || student) (default 0: plain CE; 1: pure "
                          "distillation); also runs the control 'fp32_kd', the same steps distilled without "
                          "quantization")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="with --qat-start: track how the quantized weights change during the QAT phase and also "
+                         "evaluate the QAT weights without quantization (one more validation pass per QAT run)")
     ap.add_argument("--out", default=None,
                     help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
@@ -347,6 +422,8 @@ def main(argv=None) -> dict:
     if not 0.0 <= args.qat_kd <= 1.0 or (args.qat_kd and qat_from is None):
         raise SystemExit(f"--qat-kd {args.qat_kd}: give a weight in (0, 1] with --qat-start > 0 (the QAT phase "
                          "distils from the final fp32 model of the same seed), or 0 for none")
+    if args.diagnose and qat_from is None:
+        raise SystemExit("--diagnose follows the QAT phase that continues the fp32 run: give --qat-start, e.g. 0.8")
     if qat_from is not None and qat_from >= args.steps:
         raise SystemExit(f"--qat-start {args.qat_start} of {args.steps} steps leaves no QAT step; lower it")
     names, ptq_names = names_of(args.settings, "--settings"), names_of(args.ptq_only, "--ptq-only")
@@ -459,6 +536,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         settings[name] = {"qat": qat, "head": head, "trained": name in names, **summarize(deg, gaps, spread)}
         if gaps is not None and all("fp32_kd" in runs[s] for s in done):
             settings[name].update(kd_control(runs, done, name, deg))
+        if gaps is not None and all("diagnosis" in runs[s][f"qat_{name}"] for s in done):
+            settings[name]["diagnosis"] = diagnosis(runs, done, name)
     fp32_mean, fp32_std, _ = mean_std_sem(fp32)
     val_windows = (files.val.n_tokens - 1) // args.seq_len
     return {
@@ -489,6 +568,15 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
                                "is the fp32 run's QAT phase distilled without quantization (what distillation "
                                "does by itself)",
             "recovery_vs_kd_control": "(ptq_degradation - mean(QAT - fp32_kd)) / ptq_degradation",
+            "latent_gap": "with --diagnose: mean over seeds of the QAT run's weights evaluated without quantization "
+                          "- fp32 val loss",
+            "own_quant_cost": "with --diagnose: mean over seeds of QAT val loss - that latent val loss (what "
+                              "quantizing the QAT weights costs; latent_gap + own_quant_cost = qat_gap)",
+            "change_rate_first5 / _last5": "with --diagnose: share of the quantized weights whose quantized value "
+                                           "changed per optimizer step, over the first / last 5 QAT steps",
+            "revert_share": "with --diagnose: share of those changes that went back to the value of two steps before",
+            "changed_over_phase": "with --diagnose: share of quantized weights whose value differs at the end of "
+                                  "the QAT phase from its start",
             "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",
             "_std / _sem": "sample standard deviation over seeds / that divided by sqrt(number of seeds)",
             "seed_spread": "mean |fp32 val loss (seed i) - fp32 val loss (seed j)| over seed pairs (one seed: "
@@ -521,6 +609,12 @@ def print_table(result: dict, names: list[str], ptq_names: list[str]) -> None:
                 line += (f"; distillation alone (fp32_kd - fp32) {r['kd_control_gain']:+.4f}, QAT - fp32_kd "
                          f"{r['qat_gap_vs_kd_control']:+.4f}, recovery against it "
                          f"{'n/a' if rk is None else f'{rk:.2f}'}")
+        if "diagnosis" in r:
+            d = r["diagnosis"]
+            line += (f"; QAT weights unquantized - fp32 {d['latent_gap']:+.4f}, quantizing them costs "
+                     f"{d['own_quant_cost']:+.4f}; {d['changed_over_phase']:.1%} of quantized values changed, "
+                     f"{d['change_rate_first5']:.2%} -> {d['change_rate_last5']:.2%} per step, "
+                     f"{'n/a' if d['revert_share'] is None else format(d['revert_share'], '.1%')} of changes reverted")
         print(line)
 
 

@@ -92,6 +92,14 @@ HEADLINES = {
         ("settings.harsh_head.recovery", "mini, seeds 0-15 pooled: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
         ("settings.harsh_head.recovery_low", "mini, seeds 0-15 pooled: same, QAT gap moved up by 2 SE", ""),
     ],
+    "qat-diagnose": [
+        ("settings.harsh_head.recovery", "mini-s, seeds 0-3: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+        ("settings.harsh_head.diagnosis.latent_gap", "same: QAT weights evaluated unquantized - fp32 (nats)", ""),
+        ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
+        ("settings.harsh_head.diagnosis.revert_share", "same: share of quantized-value changes that revert within 2 steps", ""),
+        ("settings.harsh.recovery", "mini-s, seeds 0-3: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.recovery_low", "same, QAT gap moved up by 2 SE", ""),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),

@@ -240,3 +240,64 @@ def test_qat_kd_runs_the_distillation_arm_and_its_control(qat_bench, tmp_path, c
         with pytest.raises(SystemExit, match="--qat-kd"):
             qat_bench.main(["--quick", "--settings", "harsh_head", "--out", str(tmp_path / "q.json")] + bad)
     capsys.readouterr()
+
+
+def test_code_tracker_counts_changes_and_reverts(qat_bench):
+    """--diagnose's CodeTracker against hand-worked MXFP4 values: one block [4, 1, 1, ...] has scale 1, so
+    1.0 -> 1.6 changes its quantized value (to 1.5), 1.6 -> 1.0 changes it back (a revert), and 2.9 (-> 3)
+    elsewhere is a change that is not one."""
+    import torch
+
+    from k3.quant.fake import QATLinear
+
+    lin = QATLinear(torch.nn.Linear(32, 2, bias=False), "mxfp4")
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.weight[:, 0] = 4.0
+    tracker = qat_bench.CodeTracker(torch.nn.Sequential(lin))
+    assert tracker.n == 64 and [n for n, _, _ in tracker.weights] == ["0.weight"]
+    for row, col, value in ((0, 1, 1.6), (0, 1, 1.0), (1, 3, 2.9)):
+        with torch.no_grad():
+            lin.weight[row, col] = value
+        tracker()
+    assert tracker.changes == [1, 1, 1] and tracker.reverts == [0, 1, 0]
+    s = tracker.summary()
+    assert s["revert_share"] == pytest.approx(1 / 3) and s["changed_over_phase"] == pytest.approx(1 / 64)
+    assert s["change_rate_first5"] == s["change_rate_last5"] == pytest.approx(1 / 64) and s["steps"] == 3
+
+
+def test_quantized_weights_finds_every_fake_quantized_weight(qat_bench):
+    import torch
+
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+
+    model = qat_bench.quantize_head(K3Model(get_config("tiny", qat=qat_bench.SETTINGS["harsh_head"][0])),
+                                    "harsh_head")
+    names = {n for n, _, _ in qat_bench.quantized_weights(model)}
+    params = dict(model.named_parameters())
+    assert "head.weight" in names and any(n.endswith(".w2") for n in names) and names <= set(params)
+    # every Linear (QATLinear is one) is quantized under harsh_head: none is left out
+    linear = {f"{m}.weight" for m, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert linear <= names
+
+
+def test_diagnose_splits_the_qat_gap(qat_bench, tmp_path):
+    """diagnosis(): latent_gap + own_quant_cost = the QAT gap, seed by seed; and --diagnose needs --qat-start."""
+    runs = {s: {"fp32": {"val_loss": 4.0 + i}, "qat_x": {"val_loss": 4.03 + i, "diagnosis": {
+        "latent_val_loss": 4.01 + i, "change_rate_first5": 0.04, "change_rate_last5": 0.01, "revert_share": 0.02,
+        "changed_over_phase": 0.4}}} for i, s in enumerate(("0", "1"))}
+    d = qat_bench.diagnosis(runs, ["0", "1"], "x")
+    assert d["latent_gap_per_seed"] == pytest.approx([0.01, 0.01])
+    assert d["own_quant_cost_per_seed"] == pytest.approx([0.02, 0.02])
+    assert d["latent_gap"] + d["own_quant_cost"] == pytest.approx(0.03) and d["revert_share"] == 0.02
+    with pytest.raises(SystemExit, match="--diagnose"):
+        qat_bench.main(["--quick", "--diagnose", "--out", str(tmp_path / "q.json")])
+    r = qat_bench.main(["--quick", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "", "--qat-start",
+                        "0.5", "--diagnose", "--out", str(tmp_path / "d.json")])
+    d = r["settings"]["harsh_head"]["diagnosis"]
+    for i, s in enumerate(("0", "1")):
+        run = r["runs"][s]
+        assert d["latent_gap_per_seed"][i] + d["own_quant_cost_per_seed"][i] == pytest.approx(
+            run["qat_harsh_head"]["val_loss"] - run["fp32"]["val_loss"])
+        assert run["qat_harsh_head"]["diagnosis"]["steps"] == 2 and 0 < d["changed_over_phase"] < 1
