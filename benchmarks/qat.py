@@ -2,7 +2,8 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
-                             [--qat-start F [--qat-lr-scale S] [--qat-kd W]] [--resume] [--merge A.json ...]
+                             [--qat-start F [--qat-lr-scale S] [--qat-kd W] [--diagnose]] [--resume]
+                             [--merge A.json ...]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
 here if missing). For each seed:
@@ -17,6 +18,8 @@ here if missing). For each seed:
          --qat-lr-scale S runs that QAT phase at S times the fp32 run's learning rate (same schedule shape);
          --qat-kd W trains it by distillation from the same seed's final fp32 model (LLM-QAT's recipe):
          (1 - W) x CE + W x KL(fp32 || student), with a control run fp32_kd (the same distillation, no quant)
+         --diagnose also evaluates the QAT run's weights without quantization (QAT - fp32 = (that - fp32) +
+         (QAT - that)) and tracks how the quantized weights change step by step (CodeTracker)
 Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
 recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
 back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
