@@ -97,8 +97,20 @@ HEADLINES = {
         ("settings.harsh_head.diagnosis.latent_gap", "same: QAT weights evaluated unquantized - fp32 (nats)", ""),
         ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
         ("settings.harsh_head.diagnosis.revert_share", "same: share of quantized-value changes that revert within 2 steps", ""),
-        ("settings.harsh.recovery", "mini-s, seeds 0-3: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.recovery", "mini-s, seeds 0-3: QAT recovery, all block linears W4A8 (not replicated on seeds 16-23)", ">= 0.8"),
         ("settings.harsh.recovery_low", "same, QAT gap moved up by 2 SE", ""),
+    ],
+    "qat-diagnose-seeds16-23": [
+        ("settings.harsh.recovery", "mini-s, new seeds 16-23: QAT recovery, all block linears W4A8", ">= 0.8"),
+        ("settings.harsh.verdict", "same: recovery target (the replication of seeds 0-3)", "met"),
+        ("settings.harsh_head.recovery", "mini-s, seeds 16-23: QAT recovery, every linear incl. head W4A8", ">= 0.8"),
+    ],
+    "qat-diagnose-pooled": [
+        ("settings.harsh_head.diagnosis.latent_gap", "mini-s, 12 seeds, every linear W4A8: QAT weights unquantized - fp32 (nats)", ""),
+        ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
+        ("settings.harsh_head.ptq_degradation", "same: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh.diagnosis.own_quant_cost", "mini-s, 12 seeds, all block linears W4A8: QAT - its weights unquantized (nats)", ""),
+        ("settings.harsh.ptq_degradation", "same: PTQ val loss - fp32 (nats)", ""),
     ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
