@@ -152,12 +152,15 @@ def assert_scaled_close(a, b, tol, what):
     assert err <= tol * scale, f"{what}: max abs diff {err:.3g} > {tol} * {scale:.3g}"
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("dtype,tol,grad_tol", [(torch.float32, 1e-5, 5e-5), (torch.float64, 1e-10, 1e-10)])
 @pytest.mark.parametrize("mode", ["block", "full"])
 @pytest.mark.parametrize("n_layers,sources", [(5, 4), (4, 2), (3, 4), (7, 3)])
-def test_blockwise_equals_naive_forward_and_backward(mode, n_layers, sources, dtype, tol):
-    """fp32 to 1e-5 of each tensor's scale; fp64 to 1e-10, which shows the two forms are the same algebra
-    and the fp32 differences are rounding accumulated over the depth of the chain."""
+def test_blockwise_equals_naive_forward_and_backward(mode, n_layers, sources, dtype, tol, grad_tol):
+    """Outputs: fp32 to 1e-5 of each tensor's scale; fp64 to 1e-10, which shows the two forms are the same
+    algebra and the fp32 differences are rounding accumulated over the depth of the chain. fp32 gradients
+    go through that chain forward and back: on some CPUs they differ by up to 1.5e-5 of their scale after
+    14 sublayers (the kernels' summation order varies with the instruction set), so they get 5e-5; in fp64
+    they match to 1e-10 like the outputs."""
     a, b = pair(make_config(n_layers, sources, mode))
     a.to(dtype)
     b.to(dtype)
@@ -174,7 +177,7 @@ def test_blockwise_equals_naive_forward_and_backward(mode, n_layers, sources, dt
     assert out_a.dtype == dtype
     assert_scaled_close(out_a, out_b, tol, "outputs")
     for k, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        assert_scaled_close(ga, gb, tol, f"grad of leaf {k}")
+        assert_scaled_close(ga, gb, grad_tol, f"grad of leaf {k}")
 
 
 def test_blockwise_runs_phase1_once_per_block(monkeypatch):
