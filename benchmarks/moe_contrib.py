@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qat as qat_bench  # noqa: E402  (the same model presets, fp32 training and evaluation)
 
 from k3.ablate.cli import parse_sets  # noqa: E402
-from k3.benchtools import bench_out, machine, write_result  # noqa: E402
+from k3.benchtools import machine, write_result  # noqa: E402
 from k3.config import K3ConfigError  # noqa: E402
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data  # noqa: E402
 from k3.model.moe import MoE  # noqa: E402
@@ -107,13 +107,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
                     help="override one model config field, e.g. --set routed_scale=2.827 (repeatable)")
     ap.add_argument("--out", default=None, help="result JSON (default runs/bench/moe_contrib.json)")
-    args = ap.parse_args(argv)
-    args.out = args.out or str(bench_out("moe_contrib", args.quick))
-    torch.set_num_threads(args.threads)
+    args = qat_bench.finish_run_args(ap.parse_args(argv), "moe_contrib")
     if args.quick:
-        args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
-        args.eval_batches, args.norm_batches = args.eval_batches or 2, 1
-    args.steps = args.steps or 200
+        args.norm_batches = 1
     seeds = qat_bench.parse_seeds(args.seeds)
     if args.steps < 1 or args.norm_batches < 1:
         raise SystemExit("--steps and --norm-batches must be >= 1")

@@ -366,6 +366,18 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", default=str(ROOT / "runs" / "data"))
 
 
+def finish_run_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """After parsing add_run_args' flags (plus --quick and --out): the default output file for benchmark `name`,
+    the thread count, and the budget (--quick: 4 steps of 2 x 32 tokens, 2 validation batches; else 200 steps)."""
+    args.out = args.out or str(bench_out(name, args.quick))
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
+        args.eval_batches = args.eval_batches or 2
+    args.steps = args.steps or 200
+    return args
+
+
 def parse_seeds(spec: str) -> list[int]:
     """'0,1,2' -> [0, 1, 2]; anything else (non-integers, repeats, nothing) exits with a message."""
     try:
@@ -407,13 +419,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--merge", nargs="+", default=(), metavar="JSON",
                     help="also keep the seeds of these result files (runs of the same experiment, e.g. seeds split "
                          "over two processes); every file must have measured the same thing")
-    args = ap.parse_args(argv)
-    args.out = args.out or str(bench_out("qat", args.quick))
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.steps, args.batch_size, args.seq_len = args.steps or 4, 2, 32
-        args.eval_batches = args.eval_batches or 2
-    args.steps = args.steps or 200
+    args = finish_run_args(ap.parse_args(argv), "qat")
     seeds = parse_seeds(args.seeds)
     if not 0.0 <= args.qat_start < 1.0:
         raise SystemExit(f"--qat-start {args.qat_start}: give a fraction in [0, 1), e.g. 0.8 (0 = QAT from scratch)")

@@ -149,6 +149,14 @@ HEADLINES = {
         ("routed_rms_over_input", "mini: routed-path output RMS / MoE input RMS", ""),
         ("shared_rms_over_input", "mini: shared-expert output RMS / MoE input RMS", ""),
     ],
+    "stability-kda_norm_eps": [
+        ("summary.v0.val_loss_mean", "mini, 200 steps, KDA output norm eps 1e-6: val loss (4 seeds, 16 batches)", ""),
+        ("summary.v1.val_loss_mean", "same, eps 1e-4 (`kda_norm_eps` default): val loss", ""),
+        ("summary.v1.minus_reference.mean", "eps 1e-4 - eps 1e-6, paired by seed (nats)", ""),
+        ("summary.v1.minus_reference.sem", "standard error of that difference (nats)", ""),
+        ("summary.v0.spike_steps_total", "steps with grad norm > 10 before clipping, eps 1e-6 (all seeds)", ""),
+        ("summary.v1.spike_steps_total", "same, eps 1e-4", ""),
+    ],
     "balancing": [
         ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
         ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),

@@ -52,6 +52,7 @@ BAD = [
     (dict(n_experts=True), "n_experts", "an integer"),
     (dict(routed_scale=-1.0), "routed_scale", "> 0"),
     (dict(norm_eps=0.0), "norm_eps", "> 0"),
+    (dict(kda_norm_eps=-1e-4), "kda_norm_eps", "> 0"),
     (dict(bias_update_rate=-0.1), "bias_update_rate", "0 to disable"),
 ]
 
@@ -62,6 +63,22 @@ def test_validate_rejects_with_field_and_fix(override, field, fix):
         get_config("tiny", **override)
     msg = str(e.value)
     assert field in msg and fix in msg, msg
+
+
+def test_saved_config_without_kda_norm_eps_keeps_the_eps_it_was_trained_with():
+    """A complete config saved before the field existed gets norm_eps (what KDA's output norm used then);
+    presets and partial overrides get the field's default, and an explicit value always wins."""
+    saved = get_config("tiny").to_dict()
+    del saved["kda_norm_eps"]
+    assert K3Config.from_dict(saved).kda_norm_eps == saved["norm_eps"] == 1e-6
+    assert get_config("tiny").kda_norm_eps == K3Config().kda_norm_eps == 1e-4
+    assert get_config("tiny", norm_eps=1e-5).kda_norm_eps == 1e-4  # a partial dict is not a saved config
+    assert K3Config.from_dict({**saved, "kda_norm_eps": 3e-5}).kda_norm_eps == 3e-5
+
+
+def test_kda_output_norm_uses_kda_norm_eps():
+    from k3.model.kda import KimiDeltaAttention
+    assert KimiDeltaAttention(get_config("tiny", kda_norm_eps=2e-5)).eps == 2e-5
 
 
 def test_unknown_field_and_preset():

@@ -71,6 +71,11 @@ class K3Config:
     aux_loss_coef: float = 1e-4  # DeepSeek-V3's sequence-wise balance loss alpha (used by aux_loss)
 
     norm_eps: float = 1e-6
+    # eps of KDA's gated output RMSNorm. At initialisation the KDA output is tiny (per-head RMS about 5e-4 on
+    # `mini`), so this norm multiplies it, and the gradient flowing back into it, by up to 1 / sqrt(eps):
+    # with 1e-6 that gain (~1000) caused the gradient spikes that stalled `mini` runs (docs/architecture.md,
+    # "KDA output norm eps"). A saved config that predates this field gets norm_eps, what KDA used then.
+    kda_norm_eps: float = 1e-4
     init_std: float = 0.02
     tie_embeddings: bool = False
     # QAT settings, e.g. {"expert_weights": "mxfp4", "activations": "mxfp8"}; empty = full precision.
@@ -138,7 +143,7 @@ class K3Config:
         for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers"]:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")
-        for name in ["routed_scale", "norm_eps", "init_std"]:
+        for name in ["routed_scale", "norm_eps", "kda_norm_eps", "init_std"]:
             if not getattr(self, name) > 0:
                 bad(name, "must be positive", f"set {name} to a value > 0")
         for name in ["bias_update_rate", "aux_loss_coef"]:
@@ -203,6 +208,10 @@ class K3Config:
         unknown = sorted(set(d) - known)
         if unknown:
             raise K3ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
+        if "kda_norm_eps" not in d and known - {"kda_norm_eps"} <= set(d):
+            # a complete config saved before kda_norm_eps existed (checkpoints, exports): KDA's output norm
+            # used norm_eps then, so keep it and the saved model computes what it computed
+            d = {**d, "kda_norm_eps": d["norm_eps"]}
         return cls(**d).validate()
 
     def replace(self, **changes) -> "K3Config":

@@ -23,7 +23,7 @@ class KimiDeltaAttention(nn.Module):
         config.validate()
         self.config, self.layer_idx = config, layer_idx
         d, H, K, r = config.d_model, config.kda_heads, config.kda_head_dim, config.kda_gate_rank
-        self.n_heads, self.head_dim, self.conv_size, self.eps = H, K, config.kda_conv_size, config.norm_eps
+        self.n_heads, self.head_dim, self.conv_size, self.eps = H, K, config.kda_conv_size, config.kda_norm_eps
         self.q_proj = nn.Linear(d, H * K, bias=False)
         self.k_proj = nn.Linear(d, H * K, bias=False)
         self.v_proj = nn.Linear(d, H * K, bias=False)
