@@ -148,4 +148,5 @@ def test_http_policy_against_k3_server(model, tok, task, sandbox):
     if rec["status"] == "policy_error":  # the model's reply had no visible text
         assert not content.strip() and not calls
     else:
-        assert rec["transcript"][2]["content"] == content.strip() or calls
+        # both sides stripped: str.strip() also drops control characters such as \x1d that a random model emits
+        assert rec["transcript"][2]["content"].strip() == content.strip() or calls
