@@ -112,6 +112,14 @@ HEADLINES = {
         ("settings.harsh.diagnosis.own_quant_cost", "mini-s, 12 seeds, all block linears W4A8: QAT - its weights unquantized (nats)", ""),
         ("settings.harsh.ptq_degradation", "same: PTQ val loss - fp32 (nats)", ""),
     ],
+    "qat-diagnose-kdaeps-seeds24-31": [
+        ("fp32_val_loss_mean", "mini-s with kda_norm_eps 1e-4, seeds 24-31: fp32 val loss", ""),
+        ("settings.harsh_head.ptq_degradation", "same, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.qat_gap", "same: QAT (last 40 of 200 steps) val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.recovery", "same: recovery", ">= 0.8"),
+        ("settings.harsh_head.diagnosis.latent_gap", "same: QAT weights unquantized - fp32 (nats)", ""),
+        ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
