@@ -73,7 +73,7 @@ class K3Config:
     norm_eps: float = 1e-6
     # eps of KDA's gated output RMSNorm. At initialisation the KDA output is tiny (per-head RMS about 5e-4 on
     # `mini`), so this norm multiplies it, and the gradient flowing back into it, by up to 1 / sqrt(eps):
-    # with 1e-6 that gain (~1000) caused the gradient spikes that stalled `mini` runs (docs/architecture.md,
+    # with 1e-6 that gain (about 900) caused the gradient spikes that stalled `mini` runs (docs/architecture.md,
     # "KDA output norm eps"). A saved config that predates this field gets norm_eps, what KDA used then.
     kda_norm_eps: float = 1e-4
     init_std: float = 0.02

@@ -135,6 +135,29 @@ def test_config_and_shape_mismatch_are_named(tmp_path):
         ckpt.load_checkpoint(tmp_path / "nope", Net())
 
 
+def test_checkpoint_saved_before_kda_norm_eps_loads_with_the_eps_it_was_trained_with(tmp_path):
+    """A manifest whose config predates `kda_norm_eps` loads (the field reads as norm_eps, what KDA used then);
+    resuming it under the new default is refused, naming the field."""
+    from k3.model.transformer import K3Model
+    from k3.train.trainer import load_trained_model
+
+    old = get_config("tiny", kda_norm_eps=get_config("tiny").norm_eps)
+    torch.manual_seed(0)
+    model = K3Model(old)
+    ckpt.save_checkpoint(tmp_path, 1, model, config=old)
+    mpath = ckpt.latest_checkpoint(tmp_path) / ckpt.MANIFEST
+    manifest = json.loads(mpath.read_text())
+    del manifest["config"]["kda_norm_eps"]
+    mpath.write_text(json.dumps(manifest))
+    loaded, _ = load_trained_model(tmp_path)
+    assert loaded.config.kda_norm_eps == 1e-6
+    x = torch.randint(0, old.vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+    with pytest.raises(ckpt.CheckpointError, match="'kda_norm_eps' is 1e-06 in the checkpoint but 0.0001"):
+        ckpt.load_checkpoint(tmp_path, K3Model(get_config("tiny")), config=get_config("tiny"))
+
+
 def test_optimizer_of_another_kind_is_rejected(tmp_path):
     model = Net()
     opt = build_optimizer(model, "muon")

@@ -307,6 +307,11 @@ def check_config(manifest_config: dict | None, config, where: str = MANIFEST) ->
     if config is None or manifest_config is None:
         return
     want = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if hasattr(type(config), "from_dict"):
+        try:  # read the saved config as K3Config reads it: fields added since then get their saved-era value
+            manifest_config = type(config).from_dict(manifest_config).to_dict()
+        except Exception:  # not a valid config of this class: compare the raw fields, naming the first difference
+            pass
     for key in sorted(set(want) | set(manifest_config)):
         if key == "name":
             continue
