@@ -148,16 +148,20 @@ class CodeTracker:
                 "changed_over_phase": changed / self.n}
 
 
-def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "train", after_step=None) -> None:
+def _run_steps(trainer: Trainer, until: int, losses: list[float], desc: str = "train", after_step=None,
+               records: list[dict] | None = None) -> None:
     """Train up to step `until`, with a progress bar on stderr (a line every 30 s when stderr is a file);
-    `after_step()` is called after every optimizer step."""
+    `after_step()` is called after every optimizer step; `records` (if given) collects each step's record."""
     from tqdm.auto import tqdm
 
     tty = sys.stderr.isatty()
     with tqdm(total=until, initial=trainer.step, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=tty,
               mininterval=0.5 if tty else 30.0, disable=until <= trainer.step) as bar:
         while trainer.step < until:
-            losses.append(trainer.train_step()["loss"])
+            rec = trainer.train_step()
+            losses.append(rec["loss"])
+            if records is not None:
+                records.append(rec)
             if after_step is not None:
                 after_step()
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)

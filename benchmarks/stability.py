@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qat as qat_bench  # noqa: E402  (the same model presets, fp32 training and evaluation)
 
@@ -32,6 +30,7 @@ from k3.ablate.cli import parse_sets  # noqa: E402
 from k3.benchtools import machine, write_result  # noqa: E402
 from k3.config import K3ConfigError  # noqa: E402
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data  # noqa: E402
+from k3.train.plots import save_figure  # noqa: E402
 
 
 def parse_vary(spec: str) -> tuple[str, list]:
@@ -52,21 +51,12 @@ def parse_vary(spec: str) -> tuple[str, list]:
 def trace_run(config, files, args, seed: int) -> dict:
     """Train one fp32 run step by step (qat.py's trainer), keep the per-step trace, evaluate at the end."""
     trainer = qat_bench.make_trainer(config, files, args, seed)
-    steps = []
+    records: list[dict] = []
     t0 = time.perf_counter()
-    from tqdm.auto import tqdm
-
-    tty = sys.stderr.isatty()
-    with tqdm(total=args.steps, desc=f"seed {seed}", unit="step", file=sys.stderr, mininterval=0.5 if tty else 30.0,
-              dynamic_ncols=tty) as bar:
-        while trainer.step < args.steps:
-            r = trainer.train_step()
-            steps.append({"loss": r["loss"], "grad_norm": r["grad_norm"],
-                          "load_max_mean": r.get("expert_load_max_mean_overall")})
-            bar.set_postfix(loss=f"{r['loss']:.3f}", gnorm=f"{r['grad_norm']:.1f}", refresh=False)
-            bar.update(1)
-    train_s = time.perf_counter() - t0
-    return {"steps": steps, "train_s": round(train_s, 1), **qat_bench.val(trainer.model, files, args)}
+    qat_bench._run_steps(trainer, args.steps, [], f"seed {seed}", records=records)
+    steps = [{"loss": r["loss"], "grad_norm": r["grad_norm"], "load_max_mean": r.get("expert_load_max_mean_overall")}
+             for r in records]
+    return {"steps": steps, "train_s": round(time.perf_counter() - t0, 1), **qat_bench.val(trainer.model, files, args)}
 
 
 def summarize_value(runs: dict, ref: dict | None, args) -> dict:
@@ -76,14 +66,14 @@ def summarize_value(runs: dict, ref: dict | None, args) -> dict:
     mean, std, sem = qat_bench.mean_std_sem(vals)
     gnorms = [st["grad_norm"] for s in seeds for st in runs[s]["steps"]]
     n = len(runs[seeds[0]]["steps"])
-    windows = [[statistics_mean(runs[s]["steps"][i:i + args.window], "loss") for s in seeds]
+    windows = [[_mean_of(runs[s]["steps"][i:i + args.window], "loss") for s in seeds]
                for i in range(0, n, args.window)]
     out = {"val_loss": dict(zip(seeds, vals)), "val_loss_mean": mean, "val_loss_std": std,
            "max_grad_norm": max(gnorms),
            "spike_steps": (spikes := {s: sum(st["grad_norm"] > args.spike for st in runs[s]["steps"]) for s in seeds}),
            "spike_steps_total": sum(spikes.values()),
            "window_loss_mean": [sum(w) / len(w) for w in windows],
-           "load_max_mean": sum(statistics_mean(runs[s]["steps"], "load_max_mean") or 0 for s in seeds) / len(seeds)}
+           "load_max_mean": sum(_mean_of(runs[s]["steps"], "load_max_mean") or 0 for s in seeds) / len(seeds)}
     if ref is not None:
         diffs = [runs[s]["val_loss"] - ref[s]["val_loss"] for s in seeds]
         d_mean, d_std, d_sem = qat_bench.mean_std_sem(diffs)
@@ -91,19 +81,14 @@ def summarize_value(runs: dict, ref: dict | None, args) -> dict:
     return out
 
 
-def statistics_mean(steps: list[dict], key: str) -> float | None:
+def _mean_of(steps: list[dict], key: str) -> float | None:
     xs = [s[key] for s in steps if s.get(key) is not None]
     return sum(xs) / len(xs) if xs else None
 
 
-def plot(result: dict, path: Path) -> Path | None:
+def plot(result: dict, path: Path) -> Path:
     """Training loss per step, one panel per seed, one line per value (a rolling mean over 5 steps)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    import matplotlib.pyplot as plt  # after k3.train.plots, which selects the Agg backend
     seeds = result["seeds"]
     fig, axes = plt.subplots(1, len(seeds), figsize=(3.6 * len(seeds), 3.2), sharey=True, squeeze=False)
     for ax, seed in zip(axes[0], seeds):
@@ -118,11 +103,7 @@ def plot(result: dict, path: Path) -> Path | None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{result['preset']}: {result['budget']['steps']} steps, lr {result['budget']['lr']}", fontsize=10)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
@@ -194,8 +175,7 @@ def main(argv=None) -> dict:
     result = build()
     write_result(args.out, result)
     if result.get("seeds"):
-        png = plot(result, Path(args.out).with_suffix(".png"))
-        result["plot"] = png.name if png else None
+        result["plot"] = plot(result, Path(args.out).with_suffix(".png")).name
         write_result(args.out, result)
     if args.json:
         print(json.dumps(result))

@@ -22,7 +22,8 @@ from k3.train.metrics import read_metrics  # noqa: E402
 log = logging.getLogger(__name__)
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Write `fig` to `path` atomically (format from the suffix, PNG by default) and close it."""
     path = Path(path)
     try:
         with atomic_open(path, "wb") as f:
@@ -61,7 +62,7 @@ def plot_loss(records: list[dict], path: str | os.PathLike, baseline: float | No
     ax.set_title("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_experts(records: list[dict], path: str | os.PathLike, max_layers: int = 8) -> Path:
@@ -72,7 +73,7 @@ def plot_experts(records: list[dict], path: str | os.PathLike, max_layers: int =
         fig, ax = plt.subplots(figsize=(5, 2))
         ax.text(0.5, 0.5, "no expert-load records (no MoE layers?)", ha="center", va="center")
         ax.axis("off")
-        return _save(fig, path)
+        return save_figure(fig, path)
     n_layers = min(len(train[-1]["expert_load"]), max_layers)
     cols = min(n_layers, 4)
     rows = math.ceil(n_layers / cols)
@@ -93,7 +94,7 @@ def plot_experts(records: list[dict], path: str | os.PathLike, max_layers: int =
         ax.set_ylabel("expert", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="log2(load / uniform)")
     fig.suptitle("expert load over training")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_attnres(records: list[dict], path: str | os.PathLike) -> Path:
@@ -103,7 +104,7 @@ def plot_attnres(records: list[dict], path: str | os.PathLike) -> Path:
         fig, ax = plt.subplots(figsize=(5, 2))
         ax.text(0.5, 0.5, "no AttnRes records (attnres = none?)", ha="center", va="center")
         ax.axis("off")
-        return _save(fig, path)
+        return save_figure(fig, path)
     weights = train[-1]["attnres_weights"]
     n_src = max(len(w) for w in weights if w)
     grid = np.full((len(weights), n_src), np.nan)
@@ -126,7 +127,7 @@ def plot_attnres(records: list[dict], path: str | os.PathLike) -> Path:
         a1.set_ylabel("sublayer")
         a1.set_title("weight entropy (nats)")
         fig.colorbar(im1, ax=a1)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_all(run_dir: str | os.PathLike, baseline: float | None = None) -> dict[str, Path]:
