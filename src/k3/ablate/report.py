@@ -13,7 +13,7 @@ from pathlib import Path
 from k3.ablate.runner import Plan
 from k3.ablate.stats import mean_std, paired_ci, verdict
 from k3.ablate.suites import PROBE, PROBE_CLAIMS, Claim
-from k3.fileio import atomic_open, atomic_write_json, atomic_write_text
+from k3.fileio import atomic_write_json, atomic_write_text
 
 METRICS = ("val_loss", "val_bpb", "load_max_mean", "load_max_mean_val", "active_params", "moe_payload", "seconds")
 
@@ -195,29 +195,9 @@ def _claims_md(claims: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- plots
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    try:
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, dpi=110, format="png")
-    finally:
-        plt.close(fig)
-    return path
-
-
-def _smooth(xs: list[float], alpha: float = 0.1) -> list[float]:
-    out, m = [], None
-    for x in xs:
-        m = x if m is None else (1 - alpha) * m + alpha * x
-        out.append(m)
-    return out
-
-
 def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
-    import matplotlib
+    from k3.train.plots import _ema, save_figure  # imported first: it selects the Agg backend
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
@@ -247,12 +227,12 @@ def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
         for label in labels:
             c = g["variants"][label].get("train_loss_mean_curve")
             if c:
-                ax.plot(range(1, len(c) + 1), _smooth(c), label=label)
+                ax.plot(range(1, len(c) + 1), _ema(c), label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss, mean over seeds (EMA)")
         ax.legend(fontsize=8)
         fig.suptitle(g["title"], fontsize=10)
-        paths.append(_save(fig, out_dir / f"{name}.png"))
+        paths.append(save_figure(fig, out_dir / f"{name}.png"))
     if "probe" in summary and summary["probe"]["variants"]:
         fig, ax = plt.subplots(figsize=(6, 3.8), layout="constrained")
         tl = None
@@ -268,7 +248,7 @@ def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
         ax.set_ylabel("needle retrieval accuracy")
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "probe.png"))
+        paths.append(save_figure(fig, out_dir / "probe.png"))
     return paths
 
 

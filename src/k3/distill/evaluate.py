@@ -164,7 +164,7 @@ def plot_gaps(records: list[dict], path: str | os.PathLike, title: str = "MOPD s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from k3.train.plots import _ema, _save
+    from k3.train.plots import _ema, save_figure
 
     evals = [r for r in records if r.get("kind") == "eval" and r.get("gap")]
     if not evals:
@@ -195,4 +195,4 @@ def plot_gaps(records: list[dict], path: str | os.PathLike, title: str = "MOPD s
         ax.set_ylabel("reverse KL to the cell's teacher (nats/token, EMA)")
         ax.set_title("on the student's own samples")
         ax.set_ylim(bottom=0)
-    return _save(fig, Path(path))
+    return save_figure(fig, Path(path))

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from k3.train.metrics import read_metrics  # noqa: E402
-from k3.train.plots import _ema, _save  # noqa: E402
+from k3.train.plots import _ema, save_figure  # noqa: E402
 
 
 def reward_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
@@ -61,4 +61,4 @@ def plot_rewards(runs: dict[str, str | os.PathLike], out: str | os.PathLike,
         ax.set_ylim(0, 1.25)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(loc="upper center", ncol=len(harnesses), fontsize="small")
-    return _save(fig, Path(out))
+    return save_figure(fig, Path(out))
