@@ -2,7 +2,7 @@
 
     python benchmarks/qat.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
                              [--settings k3,harshest,harshest_head] [--ptq-only harsh]
-                             [--qat-start F [--qat-lr-scale S] [--qat-kd W] [--diagnose]] [--resume]
+                             [--qat-start F [--qat-lr-scale S] [--qat-kd W] [--diagnose]] [--gptq N] [--resume]
                              [--merge A.json ...]
 
 Same data, schedule and token budget for every run, on the tokenized standard-library corpus (runs/data, made
@@ -20,6 +20,9 @@ here if missing). For each seed:
          (1 - W) x CE + W x KL(fp32 || student), with a control run fp32_kd (the same distillation, no quant)
          --diagnose also evaluates the QAT run's weights without quantization (QAT - fp32 = (that - fp32) +
          (QAT - that)) and tracks how the quantized weights change step by step (CodeTracker)
+  --gptq N  PTQ and QAT once more with the block linears' (and a quantized head's) weights rounded by GPTQ
+         (k3.quant.gptq, arXiv 2210.17323) instead of to nearest, calibrated on the run's own last N training
+         batches: no new tokens, no gradient steps
 Per setting: mean and sample std over seeds of PTQ - fp32 and of QAT - fp32, and
 recovery = (mean PTQ - mean QAT) / (mean PTQ - mean fp32): the fraction of the PTQ degradation that QAT wins
 back (target >= 0.8). verdict is "met" only when that recovery is >= 0.8 and the mean PTQ degradation is more
@@ -64,6 +67,7 @@ from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
 from k3.model.moe import RoutedExperts
 from k3.quant.fake import QATLinear, fake_quant
+from k3.quant.gptq import GPTQLinear, gptq_linears_
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,7 +212,23 @@ def make_trainer(config, files, args, seed: int, setting: str | None = None,
         trainer = DistillTrainer(config, tc, files.train, None, teacher=teacher, kd_weight=args.qat_kd)
     if setting is not None:
         quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
+        if getattr(args, "qat_gptq", False):  # QAT through GPTQ rounding; GPTQLinear shares the parameters
+            for name, m in list(trainer.model.named_modules()):
+                if isinstance(m, QATLinear) and in_gptq_scope(name, args) and m.in_features % 32 == 0:
+                    parent, _, attr = name.rpartition(".")
+                    setattr(trainer.model.get_submodule(parent) if parent else trainer.model, attr, GPTQLinear(m))
     return trainer
+
+
+def post_hoc_gptq(args, setting: str | None) -> bool:
+    """--gptq without --qat-gptq: a QAT run is evaluated once more with its weights GPTQ-rounded after training
+    (callers that build their own args, e.g. benchmarks/moe_contrib.py, have neither flag)."""
+    return setting is not None and bool(getattr(args, "gptq", 0)) and not getattr(args, "qat_gptq", False)
+
+
+def in_gptq_scope(name: str, args) -> bool:
+    """--gptq-scope: 'all' QATLinears, or only the output 'head'."""
+    return args.gptq_scope == "all" or name == "head"
 
 
 def train_run(config, files, args, label: str, seed: int, setting: str | None = None,
@@ -227,6 +247,8 @@ def train_run(config, files, args, label: str, seed: int, setting: str | None = 
                     "rng": torch.get_rng_state()}
     _run_steps(trainer, args.steps, losses, f"seed {seed} {label}")
     rec = _record(trainer, losses, time.perf_counter() - t0, files, args, trainer.tokens)
+    if post_hoc_gptq(args, setting) and (g := gptq_record(trainer.model, files, args, seed)) is not None:
+        rec["gptq"] = g  # QAT from scratch; this model is not used after
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
     return trainer.model, rec, snapshot
 
@@ -259,8 +281,31 @@ def continue_run(config, files, args, label: str, seed: int, snapshot: dict, set
         rec["diagnosis"] = {"latent_val_loss": val(latent, files, args)["val_loss"], **tracker.summary()}
     if teacher is not None:
         rec["objective"] = f"{1 - args.qat_kd:g} x CE + {args.qat_kd:g} x KL(fp32 || student)"
+    if post_hoc_gptq(args, setting) and (g := gptq_record(trainer.model, files, args, seed)) is not None:
+        rec["gptq"] = g  # last: it overwrites the trained weights
     print(f"seed {seed} {label}: {json.dumps(rec)}", file=sys.stderr, flush=True)
     return rec
+
+
+def calibration_batches(files, args, seed: int) -> list[torch.Tensor]:
+    """--gptq N: the inputs of the run's own last N training batches (tokens inside the budget, no new data)."""
+    return [files.train.get_batch(i, args.batch_size, args.seq_len, seed)[0]
+            for i in range(max(0, args.steps - args.gptq), args.steps)]
+
+
+def gptq_record(model, files, args, seed: int) -> dict:
+    """--gptq: round the model's QATLinear weights with GPTQ (in place) and evaluate it again; None for a
+    setting without QATLinears (k3: routed experts only, which keep round-to-nearest)."""
+    if not any(isinstance(m, QATLinear) and in_gptq_scope(n, args) for n, m in model.named_modules()):
+        return None
+    t0 = time.perf_counter()
+    rep = gptq_linears_(model, calibration_batches(files, args, seed), only=lambda n: in_gptq_scope(n, args))
+    layers = rep["layers"].values()
+    out = {"calibration_tokens": rep["calibration_tokens"], "gptq_s": round(time.perf_counter() - t0, 1),
+           "output_error_ratio": sum(v["gptq_error"] for v in layers) / max(sum(v["rtn_error"] for v in layers),
+                                                                             1e-30)}
+    out.update(val(model, files, args))
+    return out
 
 
 def val(model, files, args) -> dict:
@@ -269,11 +314,15 @@ def val(model, files, args) -> dict:
     return {"val_loss": loss, "eval_s": round(time.perf_counter() - t0, 1)}
 
 
-def ptq(fp32_model, setting: str, files, args) -> dict:
-    """PTQ exactly as defined: build the model with the setting, load the fp32-trained weights, evaluate."""
-    model = K3Model(fp32_model.config.replace(qat=SETTINGS[setting][0]))
+def ptq(fp32_model, setting: str, files, args, seed: int) -> dict:
+    """PTQ exactly as defined: build the model with the setting, load the fp32-trained weights, evaluate.
+    --gptq: then also with the weights rounded by GPTQ instead of to nearest (record key "gptq")."""
+    model = quantize_head(K3Model(fp32_model.config.replace(qat=SETTINGS[setting][0])), setting)
     model.load_state_dict(fp32_model.state_dict())
-    return val(quantize_head(model, setting), files, args)
+    rec = val(model, files, args)
+    if args.gptq and (g := gptq_record(model, files, args, seed)) is not None:
+        rec["gptq"] = g
+    return rec
 
 
 def mean_std_sem(xs: list[float]) -> tuple[float, float | None, float | None]:
@@ -338,6 +387,32 @@ def diagnosis(runs: dict, done: list[str], name: str) -> dict:
     for key in ("change_rate_first5", "change_rate_last5", "revert_share", "changed_over_phase"):
         vals = [x[key] for x in d if x[key] is not None]
         out[key] = statistics.fmean(vals) if vals else None
+    return out
+
+
+def gptq_summary(runs: dict, done: list[str], name: str, degradations: list[float], trained: bool,
+                 in_loop: bool = False) -> dict:
+    """--gptq, per setting: PTQ and QAT with GPTQ rounding, against fp32 and against round-to-nearest PTQ.
+    in_loop (--qat-gptq): the QAT runs were trained through GPTQ rounding, and their own val loss is the one."""
+    fp32 = {s: runs[s]["fp32"]["val_loss"] for s in done}
+    deg = [runs[s][f"ptq_{name}"]["gptq"]["val_loss"] - fp32[s] for s in done]
+    d_mean, _, d_sem = mean_std_sem(deg)
+    rtn = statistics.fmean(degradations)
+    out = {"ptq_degradation": d_mean, "ptq_degradation_sem": d_sem, "ptq_degradation_per_seed": deg,
+           "ptq_recovery": (rtn - d_mean) / rtn if rtn > 0 else None,
+           "ptq_output_error_ratio": statistics.fmean(runs[s][f"ptq_{name}"]["gptq"]["output_error_ratio"]
+                                                      for s in done)}
+    if trained:
+        qat = {s: runs[s][f"qat_{name}"] if in_loop else runs[s][f"qat_{name}"]["gptq"] for s in done}
+        gaps = [qat[s]["val_loss"] - fp32[s] for s in done]
+        g_mean, _, g_sem = mean_std_sem(gaps)
+        out.update({"qat_gap": g_mean, "qat_gap_sem": g_sem, "qat_gap_per_seed": gaps,
+                    "recovery_vs_rtn_ptq": (rtn - g_mean) / rtn if rtn > 0 else None,
+                    "recovery_vs_rtn_ptq_low": (rtn - g_mean - 2 * g_sem) / rtn if rtn > 0 and g_sem else None,
+                    "recovery_vs_gptq_ptq": (d_mean - g_mean) / d_mean if d_mean > 0 else None,
+                    "qat_through_gptq": in_loop})
+        if not in_loop:
+            out["qat_output_error_ratio"] = statistics.fmean(qat[s]["output_error_ratio"] for s in done)
     return out
 
 
@@ -416,6 +491,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--diagnose", action="store_true",
                     help="with --qat-start: track how the quantized weights change during the QAT phase and also "
                          "evaluate the QAT weights without quantization (one more validation pass per QAT run)")
+    ap.add_argument("--gptq", type=int, default=0, metavar="N",
+                    help="also evaluate every PTQ and QAT model with its QATLinear weights (block linears, and the "
+                         "head where quantized) rounded by GPTQ instead of to nearest, calibrated on the run's own "
+                         "last N training batches (default 0: off; e.g. 16)")
+    ap.add_argument("--gptq-scope", choices=("all", "head"), default="all",
+                    help="the QATLinears --gptq and --qat-gptq round: all of them (default) or the output head only")
+    ap.add_argument("--qat-gptq", action="store_true",
+                    help="QAT through GPTQ rounding: in the QAT runs, the QATLinears in --gptq-scope use their "
+                         "weights rounded by GPTQ with the inputs seen so far (k3.quant.gptq.GPTQLinear) instead of "
+                         "to nearest, straight-through; their plain val loss is then that; give --gptq N for the "
+                         "PTQ comparison with the same rounding")
     ap.add_argument("--out", default=None,
                     help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
@@ -435,6 +521,12 @@ def main(argv=None) -> dict:
     if not 0.0 <= args.qat_kd <= 1.0 or (args.qat_kd and qat_from is None):
         raise SystemExit(f"--qat-kd {args.qat_kd}: give a weight in (0, 1] with --qat-start > 0 (the QAT phase "
                          "distils from the final fp32 model of the same seed), or 0 for none")
+    if args.qat_gptq and not args.gptq:
+        raise SystemExit("--qat-gptq: give --gptq N too (e.g. --gptq 40), the calibration batches of the PTQ "
+                         "comparison with the same rounding")
+    if args.gptq < 0 or args.gptq > args.steps:
+        raise SystemExit(f"--gptq {args.gptq}: give a number of calibration batches in [0, {args.steps}] (the "
+                         "run's own last training batches), e.g. 16; 0 turns it off")
     if args.diagnose and qat_from is None:
         raise SystemExit("--diagnose follows the QAT phase that continues the fp32 run: give --qat-start, e.g. 0.8")
     if qat_from is not None and qat_from >= args.steps:
@@ -467,7 +559,7 @@ def main(argv=None) -> dict:
         r = runs[str(seed)] = {}
         fp32_model, r["fp32"], snapshot = train_run(config, files, args, "fp32", seed, snapshot_at=qat_from)
         for name in ptq_names + names:
-            r[f"ptq_{name}"] = ptq(fp32_model, name, files, args)
+            r[f"ptq_{name}"] = ptq(fp32_model, name, files, args, seed)
             print(f"seed {seed} ptq_{name}: {json.dumps(r[f'ptq_{name}'])}", file=sys.stderr, flush=True)
         teacher = fp32_model if args.qat_kd else None  # --qat-kd: the same seed's final fp32 model teaches
         del fp32_model
@@ -509,11 +601,15 @@ def resumed_runs(path: Path, config, args, names: list[str], ptq_names: list[str
     prev = json.loads(path.read_text())
     want = {"config": config.to_dict(), "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "lr": args.lr, "warmup_steps": args.warmup_steps, "qat_from_step": args.qat_from_step,
-            "qat_lr_scale": args.qat_lr_scale, "qat_kd": args.qat_kd, "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
+            "qat_lr_scale": args.qat_lr_scale, "qat_kd": args.qat_kd, "gptq": args.gptq,
+            "gptq_scope": args.gptq_scope, "qat_gptq": args.qat_gptq, "settings": sorted(names), "ptq_only": sorted(ptq_names), "quick": args.quick}
     have = {"config": prev.get("config"), **{k: prev.get("budget", {}).get(k) for k in
             ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "qat_from_step")},
             "qat_lr_scale": prev.get("budget", {}).get("qat_lr_scale", 1.0),
             "qat_kd": prev.get("budget", {}).get("qat_kd", 0.0),
+            "gptq": prev.get("budget", {}).get("gptq", 0),
+            "gptq_scope": prev.get("budget", {}).get("gptq_scope", "all"),
+            "qat_gptq": prev.get("budget", {}).get("qat_gptq", False),
             "settings": sorted(n for n, v in prev.get("settings", {}).items() if v.get("trained")),
             "ptq_only": sorted(n for n, v in prev.get("settings", {}).items() if not v.get("trained")),
             "quick": prev.get("quick")}
@@ -551,6 +647,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
             settings[name].update(kd_control(runs, done, name, deg))
         if gaps is not None and all("diagnosis" in runs[s][f"qat_{name}"] for s in done):
             settings[name]["diagnosis"] = diagnosis(runs, done, name)
+        if all("gptq" in runs[s][f"ptq_{name}"] for s in done):
+            settings[name]["gptq"] = gptq_summary(runs, done, name, deg, gaps is not None, args.qat_gptq)
     fp32_mean, fp32_std, _ = mean_std_sem(fp32)
     val_windows = (files.val.n_tokens - 1) // args.seq_len
     return {
@@ -563,7 +661,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
                    "tokens": args.steps * args.batch_size * args.seq_len, "lr": args.lr,
                    "warmup_steps": args.warmup_steps, "optimizer": "adamw", "qat_start": args.qat_start,
                    "qat_lr_scale": args.qat_lr_scale, "qat_kd": args.qat_kd,
-                   "qat_from_step": args.qat_from_step},
+                   "qat_from_step": args.qat_from_step, "gptq": args.gptq,
+                   "gptq_scope": args.gptq_scope, "qat_gptq": args.qat_gptq},
         "seeds": [int(s) for s in done],
         "val_tokens": (args.eval_batches * args.batch_size if args.eval_batches else val_windows) * args.seq_len,
         "runs": runs,
@@ -590,6 +689,12 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
             "revert_share": "with --diagnose: share of those changes that went back to the value of two steps before",
             "changed_over_phase": "with --diagnose: share of quantized weights whose value differs at the end of "
                                   "the QAT phase from its start",
+            "gptq.*": "with --gptq N: the same models with their QATLinear weights rounded by GPTQ (calibrated on "
+                       "the run's last N training batches) instead of to nearest; gptq.ptq_degradation and "
+                       "gptq.qat_gap as above; gptq.recovery_vs_rtn_ptq = (ptq_degradation - gptq.qat_gap) / "
+                       "ptq_degradation; gptq.recovery_vs_gptq_ptq = (gptq.ptq_degradation - gptq.qat_gap) / "
+                       "gptq.ptq_degradation; output_error_ratio: GPTQ's / round-to-nearest's summed "
+                       "tr((W - Q) H (W - Q)^T) on the calibration inputs",
             "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",
             "_std / _sem": "sample standard deviation over seeds / that divided by sqrt(number of seeds)",
             "seed_spread": "mean |fp32 val loss (seed i) - fp32 val loss (seed j)| over seed pairs (one seed: "
@@ -628,6 +733,13 @@ def print_table(result: dict, names: list[str], ptq_names: list[str]) -> None:
                      f"{d['own_quant_cost']:+.4f}; {d['changed_over_phase']:.1%} of quantized values changed, "
                      f"{d['change_rate_first5']:.2%} -> {d['change_rate_last5']:.2%} per step, "
                      f"{'n/a' if d['revert_share'] is None else format(d['revert_share'], '.1%')} of changes reverted")
+        if "gptq" in r:
+            g = r["gptq"]
+            line += f"; with GPTQ rounding: PTQ - fp32 {g['ptq_degradation']:+.4f}"
+            if "qat_gap" in g:
+                rv = g["recovery_vs_rtn_ptq"]
+                line += (f", QAT - fp32 {g['qat_gap']:+.4f}, recovery against round-to-nearest PTQ "
+                         f"{'n/a' if rv is None else f'{rv:.2f}'}")
         print(line)
 
 

@@ -120,6 +120,19 @@ HEADLINES = {
         ("settings.harsh_head.diagnosis.latent_gap", "same: QAT weights unquantized - fp32 (nats)", ""),
         ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
     ],
+    "qat-gptq-screen": [
+        ("settings.harsh_head.ptq_degradation", "mini-s seeds 0-1, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.ptq_degradation", "same, PTQ with GPTQ rounding (16 calibration batches) - fp32 (nats)", ""),
+        ("settings.harsh_head.qat_gap", "same: QAT (last 40 of 200 steps) val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.qat_gap", "same: QAT, then GPTQ rounding - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: QAT + GPTQ recovery against round-to-nearest PTQ", ">= 0.8"),
+        ("settings.harsh.gptq.ptq_degradation", "same seeds, block linears W4A8: PTQ with GPTQ - fp32 (nats)", ""),
+    ],
+    "qat-gptq-head-loop-screen": [
+        ("settings.harsh_head.gptq.ptq_degradation", "mini-s seeds 0-1, every linear W4A8: PTQ, head GPTQ-rounded (40 batches) - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.qat_gap", "same: QAT trained through the GPTQ-rounded head - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: recovery against round-to-nearest PTQ", ">= 0.8"),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),

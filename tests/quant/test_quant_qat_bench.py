@@ -301,3 +301,47 @@ def test_diagnose_splits_the_qat_gap(qat_bench, tmp_path):
         assert d["latent_gap_per_seed"][i] + d["own_quant_cost_per_seed"][i] == pytest.approx(
             run["qat_harsh_head"]["val_loss"] - run["fp32"]["val_loss"])
         assert run["qat_harsh_head"]["diagnosis"]["steps"] == 2 and 0 < d["changed_over_phase"] < 1
+
+
+def test_gptq_arm_evaluates_ptq_and_qat_with_gptq_rounding(qat_bench, tmp_path):
+    out = tmp_path / "g.json"
+    r = qat_bench.main(["--quick", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "k3", "--qat-start",
+                        "0.5", "--gptq", "2", "--out", str(out)])
+    assert r["budget"]["gptq"] == 2
+    g = r["settings"]["harsh_head"]["gptq"]
+    fp32 = [r["runs"][s]["fp32"]["val_loss"] for s in ("0", "1")]
+    for i, s in enumerate(("0", "1")):
+        run = r["runs"][s]
+        assert run["ptq_harsh_head"]["gptq"]["calibration_tokens"] == 2 * 2 * 32  # 2 batches of 2 x 32
+        assert g["ptq_degradation_per_seed"][i] == pytest.approx(run["ptq_harsh_head"]["gptq"]["val_loss"] - fp32[i])
+        assert g["qat_gap_per_seed"][i] == pytest.approx(run["qat_harsh_head"]["gptq"]["val_loss"] - fp32[i])
+        assert run["ptq_harsh_head"]["gptq"]["val_loss"] != run["ptq_harsh_head"]["val_loss"]
+        assert "gptq" not in run["ptq_k3"]  # routed experts only: nothing for GPTQ to round
+    rtn = r["settings"]["harsh_head"]["ptq_degradation"]
+    assert g["recovery_vs_rtn_ptq"] == pytest.approx((rtn - g["qat_gap"]) / rtn)
+    assert 0 < g["ptq_output_error_ratio"] < 1 and "gptq" not in r["settings"]["k3"]
+    with pytest.raises(SystemExit, match="differs in gptq"):
+        qat_bench.main(["--quick", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "k3", "--qat-start",
+                        "0.5", "--gptq", "1", "--resume", "--out", str(out)])
+    for bad in ("-1", "5"):
+        with pytest.raises(SystemExit, match="--gptq"):
+            qat_bench.main(["--quick", "--gptq", bad, "--out", str(tmp_path / "b.json")])
+
+
+def test_qat_gptq_trains_the_head_through_gptq_rounding(qat_bench, tmp_path):
+    with pytest.raises(SystemExit, match="--qat-gptq: give --gptq"):
+        qat_bench.main(["--quick", "--qat-gptq", "--out", str(tmp_path / "b.json")])
+    common = ["--quick", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "", "--qat-start", "0.5",
+              "--gptq", "2", "--gptq-scope", "head"]
+    r = qat_bench.main([*common, "--qat-gptq", "--out", str(tmp_path / "g.json")])
+    plain = qat_bench.main([*common, "--out", str(tmp_path / "p.json")])
+    g = r["settings"]["harsh_head"]["gptq"]
+    assert g["qat_through_gptq"] and r["budget"]["qat_gptq"] and r["budget"]["gptq_scope"] == "head"
+    for s in ("0", "1"):
+        assert "gptq" not in r["runs"][s]["qat_harsh_head"]  # its own val loss is the GPTQ-rounded model's
+        # the same fp32 run and PTQ; a different QAT phase
+        assert r["runs"][s]["fp32"]["val_loss"] == plain["runs"][s]["fp32"]["val_loss"]
+        assert r["runs"][s]["ptq_harsh_head"]["gptq"]["val_loss"] == plain["runs"][s]["ptq_harsh_head"]["gptq"]["val_loss"]
+        assert r["runs"][s]["qat_harsh_head"]["val_loss"] != plain["runs"][s]["qat_harsh_head"]["val_loss"]
+    assert g["qat_gap_per_seed"] == pytest.approx([r["runs"][s]["qat_harsh_head"]["val_loss"]
+                                                   - r["runs"][s]["fp32"]["val_loss"] for s in ("0", "1")])
