@@ -301,9 +301,9 @@ def gptq_record(model, files, args, seed: int) -> dict:
     t0 = time.perf_counter()
     rep = gptq_linears_(model, calibration_batches(files, args, seed), only=lambda n: in_gptq_scope(n, args))
     layers = rep["layers"].values()
+    rtn = sum(v["rtn_error"] for v in layers)
     out = {"calibration_tokens": rep["calibration_tokens"], "gptq_s": round(time.perf_counter() - t0, 1),
-           "output_error_ratio": sum(v["gptq_error"] for v in layers) / max(sum(v["rtn_error"] for v in layers),
-                                                                             1e-30)}
+           "layers": len(layers), "output_error_ratio": sum(v["gptq_error"] for v in layers) / rtn if rtn else None}
     out.update(val(model, files, args))
     return out
 
@@ -390,6 +390,11 @@ def diagnosis(runs: dict, done: list[str], name: str) -> dict:
     return out
 
 
+def _mean_or_none(xs) -> float | None:
+    xs = list(xs)
+    return None if any(x is None for x in xs) else statistics.fmean(xs)
+
+
 def gptq_summary(runs: dict, done: list[str], name: str, degradations: list[float], trained: bool,
                  in_loop: bool = False) -> dict:
     """--gptq, per setting: PTQ and QAT with GPTQ rounding, against fp32 and against round-to-nearest PTQ.
@@ -400,8 +405,8 @@ def gptq_summary(runs: dict, done: list[str], name: str, degradations: list[floa
     rtn = statistics.fmean(degradations)
     out = {"ptq_degradation": d_mean, "ptq_degradation_sem": d_sem, "ptq_degradation_per_seed": deg,
            "ptq_recovery": (rtn - d_mean) / rtn if rtn > 0 else None,
-           "ptq_output_error_ratio": statistics.fmean(runs[s][f"ptq_{name}"]["gptq"]["output_error_ratio"]
-                                                      for s in done)}
+           "ptq_output_error_ratio": _mean_or_none(runs[s][f"ptq_{name}"]["gptq"]["output_error_ratio"]
+                                                   for s in done)}
     if trained:
         qat = {s: runs[s][f"qat_{name}"] if in_loop else runs[s][f"qat_{name}"]["gptq"] for s in done}
         gaps = [qat[s]["val_loss"] - fp32[s] for s in done]
@@ -412,7 +417,7 @@ def gptq_summary(runs: dict, done: list[str], name: str, degradations: list[floa
                     "recovery_vs_gptq_ptq": (d_mean - g_mean) / d_mean if d_mean > 0 else None,
                     "qat_through_gptq": in_loop})
         if not in_loop:
-            out["qat_output_error_ratio"] = statistics.fmean(qat[s]["output_error_ratio"] for s in done)
+            out["qat_output_error_ratio"] = _mean_or_none(qat[s]["output_error_ratio"] for s in done)
     return out
 
 
@@ -501,7 +506,7 @@ def main(argv=None) -> dict:
                     help="QAT through GPTQ rounding: in the QAT runs, the QATLinears in --gptq-scope use their "
                          "weights rounded by GPTQ with the inputs seen so far (k3.quant.gptq.GPTQLinear) instead of "
                          "to nearest, straight-through; their plain val loss is then that; give --gptq N for the "
-                         "PTQ comparison with the same rounding")
+                         "PTQ comparison with the same rounding (--diagnose still tracks round-to-nearest values)")
     ap.add_argument("--out", default=None,
                     help="result JSON (default runs/bench/qat.json; with --quick runs/bench/quick/qat.json)")
     ap.add_argument("--resume", action="store_true",
