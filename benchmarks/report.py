@@ -133,6 +133,12 @@ HEADLINES = {
         ("settings.harsh_head.gptq.qat_gap", "same: QAT trained through the GPTQ-rounded head - fp32 (nats)", ""),
         ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: recovery against round-to-nearest PTQ", ">= 0.8"),
     ],
+    "qat-gptq-mini-screen": [
+        ("settings.harsh_head.ptq_degradation", "mini (kda_norm_eps 1e-4) seeds 16-17, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.recovery", "same: plain QAT (last 40 of 200 steps) recovery", ">= 0.8"),
+        ("settings.harsh_head.gptq.ptq_recovery", "same: PTQ with GPTQ rounding, share of PTQ's cost removed", ""),
+        ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: QAT, then GPTQ: recovery against round-to-nearest PTQ", ">= 0.8"),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
