@@ -11,8 +11,10 @@ MX adds one thing. Each block of 32 columns shares a power-of-two scale per row,
 the block's largest magnitude. Here it is chosen when the loop reaches the block's first column, from the block
 as the earlier columns' updates have left it (as group-wise GPTQ fixes a group's scale at its first column).
 Later updates may push an element past the block's top, which then saturates at the format's largest normal,
-so the result is always on the grid: `fake_quantize_mx(q) == q` (tested). With H = I no column is moved and
-the result equals round-to-nearest bit for bit (tested), the "slow, obviously correct" twin.
+so the result is always on the grid: `fake_quantize_mx(q) == q` (tested; a block whose top was pulled below
+its scale's range lands on values the next smaller scale also holds). With H = I no column is moved and the
+result equals round-to-nearest bit for bit (tested). The slow, obviously correct twin is in the tests: the same
+greedy loop with H's remaining block inverted from scratch at every column.
 
 torchao 0.18 ships a GPTQ (`torchao.prototype.gptq`) for int4, int8 and NVFP4 on CUDA only; MX formats and the
 CPU are why this module exists.
