@@ -67,6 +67,7 @@ from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
 from k3.model.moe import RoutedExperts
 from k3.quant.fake import QATLinear, fake_quant
+from k3.quant.gptq import BLOCK as GPTQ_BLOCK
 from k3.quant.gptq import GPTQLinear, gptq_linears_
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
@@ -214,7 +215,7 @@ def make_trainer(config, files, args, seed: int, setting: str | None = None,
         quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
         if getattr(args, "qat_gptq", False):  # QAT through GPTQ rounding; GPTQLinear shares the parameters
             for name, m in list(trainer.model.named_modules()):
-                if isinstance(m, QATLinear) and in_gptq_scope(name, args) and m.in_features % 32 == 0:
+                if isinstance(m, QATLinear) and in_gptq_scope(name, args) and m.in_features % GPTQ_BLOCK == 0:
                     parent, _, attr = name.rpartition(".")
                     setattr(trainer.model.get_submodule(parent) if parent else trainer.model, attr, GPTQLinear(m))
     return trainer

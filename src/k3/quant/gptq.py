@@ -143,12 +143,11 @@ def gptq_linears_(model: nn.Module, batches, damp: float = 0.01, only=None) -> d
         raise ValueError("gptq_linears_: no calibration batches were given")
     report = {"calibration_tokens": tokens, "layers": {}}
     for name, m in modules.items():
-        W = m.weight.detach()
-        H = hessians[name]
-        rtn = fake_quantize_mx(W, m.weight_format, BLOCK) if W.shape[1] % BLOCK == 0 else None
-        if rtn is None:
+        if m.in_features % BLOCK:
             continue  # fake_quant pads such a layer for rounding; GPTQ leaves it round-to-nearest
+        W, H = m.weight.detach(), hessians[name]
         Q = gptq_mx(W, H, m.weight_format, damp)
+        rtn = fake_quantize_mx(W, m.weight_format, BLOCK)
         report["layers"][name] = {"rtn_error": output_error(W, rtn, H), "gptq_error": output_error(W, Q, H)}
         m.weight.copy_(Q)
     return report
