@@ -411,10 +411,11 @@ def gptq_summary(runs: dict, done: list[str], name: str, degradations: list[floa
     if trained:
         qat = {s: runs[s][f"qat_{name}"] if in_loop else runs[s][f"qat_{name}"]["gptq"] for s in done}
         gaps = [qat[s]["val_loss"] - fp32[s] for s in done]
-        g_mean, _, g_sem = mean_std_sem(gaps)
-        out.update({"qat_gap": g_mean, "qat_gap_sem": g_sem, "qat_gap_per_seed": gaps,
-                    "recovery_vs_rtn_ptq": (rtn - g_mean) / rtn if rtn > 0 else None,
-                    "recovery_vs_rtn_ptq_low": (rtn - g_mean - 2 * g_sem) / rtn if rtn > 0 and g_sem else None,
+        rule = summarize(degradations, gaps, None)  # the script's rule, with the GPTQ-rounded QAT gaps
+        g_mean = rule["qat_gap"]
+        out.update({"qat_gap": g_mean, "qat_gap_sem": rule["qat_gap_sem"], "qat_gap_per_seed": gaps,
+                    "recovery_vs_rtn_ptq": rule["recovery"], "recovery_vs_rtn_ptq_low": rule["recovery_low"],
+                    "verdict_vs_rtn_ptq": rule["verdict"],
                     "recovery_vs_gptq_ptq": (d_mean - g_mean) / d_mean if d_mean > 0 else None,
                     "qat_through_gptq": in_loop})
         if not in_loop:
@@ -699,7 +700,8 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
                        "the run's last N training batches) instead of to nearest; gptq.ptq_degradation and "
                        "gptq.qat_gap as above; gptq.recovery_vs_rtn_ptq = (ptq_degradation - gptq.qat_gap) / "
                        "ptq_degradation; gptq.recovery_vs_gptq_ptq = (gptq.ptq_degradation - gptq.qat_gap) / "
-                       "gptq.ptq_degradation; output_error_ratio: GPTQ's / round-to-nearest's summed "
+                       "gptq.ptq_degradation; gptq.verdict_vs_rtn_ptq: the verdict rule below applied to "
+                       "gptq.qat_gap against round-to-nearest PTQ; output_error_ratio: GPTQ's / round-to-nearest's summed "
                        "tr((W - Q) H (W - Q)^T) on the calibration inputs",
             "verdict": f"met when recovery >= {RECOVERY_TARGET} and ptq_degradation > 2 * ptq_degradation_sem",
             "_std / _sem": "sample standard deviation over seeds / that divided by sqrt(number of seeds)",
@@ -745,7 +747,7 @@ def print_table(result: dict, names: list[str], ptq_names: list[str]) -> None:
             if "qat_gap" in g:
                 rv = g["recovery_vs_rtn_ptq"]
                 line += (f", QAT - fp32 {g['qat_gap']:+.4f}, recovery against round-to-nearest PTQ "
-                         f"{'n/a' if rv is None else f'{rv:.2f}'}")
+                         f"{'n/a' if rv is None else f'{rv:.2f}'}, {g['verdict_vs_rtn_ptq']}")
         print(line)
 
 

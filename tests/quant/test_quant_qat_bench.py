@@ -319,6 +319,8 @@ def test_gptq_arm_evaluates_ptq_and_qat_with_gptq_rounding(qat_bench, tmp_path):
         assert "gptq" not in run["ptq_k3"]  # routed experts only: nothing for GPTQ to round
     rtn = r["settings"]["harsh_head"]["ptq_degradation"]
     assert g["recovery_vs_rtn_ptq"] == pytest.approx((rtn - g["qat_gap"]) / rtn)
+    rule = qat_bench.summarize(r["settings"]["harsh_head"]["ptq_degradation_per_seed"], g["qat_gap_per_seed"], None)
+    assert g["verdict_vs_rtn_ptq"] == rule["verdict"] and g["recovery_vs_rtn_ptq_low"] == rule["recovery_low"]
     assert 0 < g["ptq_output_error_ratio"] < 1 and "gptq" not in r["settings"]["k3"]
     with pytest.raises(SystemExit, match="differs in gptq"):
         qat_bench.main(["--quick", "--seeds", "0,1", "--settings", "harsh_head", "--ptq-only", "k3", "--qat-start",
