@@ -139,6 +139,14 @@ HEADLINES = {
         ("settings.harsh_head.gptq.ptq_recovery", "same: PTQ with GPTQ rounding, share of PTQ's cost removed", ""),
         ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: QAT, then GPTQ: recovery against round-to-nearest PTQ", ">= 0.8"),
     ],
+    "qat-mini-kdaeps-seeds18-25": [
+        ("fp32_val_loss_mean", "mini (kda_norm_eps 1e-4), pre-registered seeds 18-25: fp32 val loss", ""),
+        ("settings.harsh_head.ptq_degradation", "same, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.qat_gap", "same: QAT (last 40 of 200 steps) val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.recovery", "same: recovery", ">= 0.8"),
+        ("settings.harsh_head.recovery_low", "same, QAT gap moved up by 2 SE", ""),
+        ("settings.harsh_head.verdict", "same: the pre-registered rule", "met"),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
