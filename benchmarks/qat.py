@@ -67,8 +67,7 @@ from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
 from k3.model.moe import RoutedExperts
 from k3.quant.fake import QATLinear, fake_quant
-from k3.quant.gptq import BLOCK as GPTQ_BLOCK
-from k3.quant.gptq import GPTQLinear, gptq_linears_
+from k3.quant.gptq import GPTQLinear, gptq_linears_, gptq_roundable
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,7 +214,7 @@ def make_trainer(config, files, args, seed: int, setting: str | None = None,
         quantize_head(trainer.model, setting)  # trainer.forward is the model itself (no compile here)
         if getattr(args, "qat_gptq", False):  # QAT through GPTQ rounding; GPTQLinear shares the parameters
             for name, m in list(trainer.model.named_modules()):
-                if isinstance(m, QATLinear) and in_gptq_scope(name, args) and m.in_features % GPTQ_BLOCK == 0:
+                if gptq_roundable(m) and in_gptq_scope(name, args):
                     parent, _, attr = name.rpartition(".")
                     setattr(trainer.model.get_submodule(parent) if parent else trainer.model, attr, GPTQLinear(m))
     return trainer
@@ -297,7 +296,7 @@ def calibration_batches(files, args, seed: int) -> list[torch.Tensor]:
 def gptq_record(model, files, args, seed: int) -> dict:
     """--gptq: round the model's QATLinear weights with GPTQ (in place) and evaluate it again; None for a
     setting without QATLinears (k3: routed experts only, which keep round-to-nearest)."""
-    if not any(isinstance(m, QATLinear) and in_gptq_scope(n, args) for n, m in model.named_modules()):
+    if not any(gptq_roundable(m) and in_gptq_scope(n, args) for n, m in model.named_modules()):
         return None
     t0 = time.perf_counter()
     rep = gptq_linears_(model, calibration_batches(files, args, seed), only=lambda n: in_gptq_scope(n, args))

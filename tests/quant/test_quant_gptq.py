@@ -69,12 +69,24 @@ def test_result_is_on_the_grid_and_lowers_the_output_error(fmt):
 
 
 def test_saturation_keeps_compensated_values_on_the_grid():
-    """A strongly correlated pair: the update pushes the second column far past its block's top."""
-    W = torch.full((4, 32), 0.01)
-    W[:, 0] = torch.tensor([0.0149, -0.0149, 0.0149, -0.0149])  # rounds a long way (to 0.015625 * ...)
-    x = torch.randn(512, 1).expand(512, 32).clone() + 1e-3 * torch.randn(512, 32)
-    Q = gptq_mx(W, (x.T @ x).double(), "mxfp4")
+    """Two nearly identical inputs: column 0 (the block's top, 0.0149 = 7.63 x 2^-9) saturates down to
+    6 x 2^-9, and the update pushes the error onto column 1 (0.0115 = 5.9 x 2^-9) past the top of the
+    scale fixed at the block's start; it must saturate there, not leave the grid."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.full((4, 32), 0.002)
+    W[:, 0], W[:, 1] = 0.0149, 0.0115
+    x = torch.randn(512, 32, generator=g)
+    x[:, 1] = x[:, 0] + 1e-3 * torch.randn(512, generator=g)
+    H = (x.T @ x).double()
+    Q = gptq_mx(W, H, "mxfp4")
     assert torch.equal(fake_quantize_mx(Q, "mxfp4"), Q)
+    assert torch.all(Q[:, 0] == 6 * 2.0 ** -9) and torch.all(Q[:, 1] == 6 * 2.0 ** -9)  # both at the top
+    # column 1 as the update after column 0 leaves it (the reference's step, with the same damping): past the top
+    Hd = H.clone()
+    Hd.diagonal().add_(0.01 * float(torch.diag(H).mean()))
+    inv = torch.linalg.inv(Hd)
+    moved = W[:, 1].double() - (W[:, 0].double() - Q[:, 0].double()) / inv[0, 0] * inv[0, 1]
+    assert torch.all(moved > 7 * 2.0 ** -9)
 
 
 def test_round_to_scale_is_the_formats_rounding():
@@ -112,7 +124,15 @@ def test_gptq_linears_rounds_every_qat_linear_in_place():
     model = K3Model(config)
     batches = [torch.randint(0, config.vocab_size, (2, 32)) for _ in range(3)]
     before = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, QATLinear)}
+    probe_name = "layers.0.mixer.q_proj" if "layers.0.mixer.q_proj" in before else sorted(before)[0]
+    probe, seen = model.get_submodule(probe_name), []
+    handle = probe.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
     rep = gptq_linears_(model, batches)
+    handle.remove()
+    assert all(not m._forward_pre_hooks for m in model.modules())  # its calibration hooks are gone
+    # the layer's H is of its inputs as it multiplies them: after the MXFP8 input fake quant
+    xq = torch.cat([fake_quant(x, probe.act_format).reshape(-1, probe.in_features) for x in seen]).double()
+    assert torch.equal(probe.weight.detach(), gptq_mx(before[probe_name], xq.T @ xq, probe.weight_format))
     assert rep["calibration_tokens"] == 3 * 2 * 32 and set(rep["layers"]) <= set(before)
     assert len(rep["layers"]) >= len(before) - 2  # only widths that are not multiples of 32 stay RTN
     for name, m in model.named_modules():
@@ -155,3 +175,49 @@ def test_gptq_linear_trains_through_gptq_rounding():
         GPTQLinear(torch.nn.Linear(64, 8))
     with pytest.raises(ValueError, match="multiple of 32"):
         GPTQLinear(QATLinear(torch.nn.Linear(40, 8), "mxfp4"))
+
+
+def test_gptq_linear_forward_weight_is_exactly_the_rounding():
+    """A wider layer with correlated inputs, where GPTQ moves weights far: the weight the forward multiplies is
+    the GPTQ result bit for bit (not w + (q - w), which rounds twice), in train and in eval mode."""
+    g = torch.Generator().manual_seed(0)
+    base = QATLinear(torch.nn.Linear(128, 384), "mxfp4", "mxfp8")
+    layer = GPTQLinear(base)
+    x = torch.randn(4, 64, 128, generator=g) @ torch.randn(128, 128, generator=g) * 0.3
+    xq = fake_quant(x, "mxfp8")
+    y = layer(x)
+    Q = gptq_mx(base.weight.detach(), layer.hessian, "mxfp4")
+    assert torch.equal(fake_quantize_mx(Q, "mxfp4"), Q)
+    assert torch.equal(y, torch.nn.functional.linear(xq, Q, base.bias))
+    layer.eval()
+    assert torch.equal(layer(x), y)
+
+
+def test_gptq_linear_eval_cache_follows_every_weight_update():
+    """Writes that do not bump the weight's version (fused AdamW, .data) happen in train mode or are followed by
+    a mode switch: either way the eval rounding is recomputed."""
+    torch.manual_seed(0)
+    layer = GPTQLinear(QATLinear(torch.nn.Linear(64, 32), "mxfp4", "mxfp8"))
+    x = torch.randn(2, 16, 64) @ torch.randn(64, 64) * 0.3
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        layer.train()
+        layer(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        layer.eval()
+        fresh = torch.nn.functional.linear(fake_quant(x, "mxfp8"),
+                                           gptq_mx(layer.weight.detach(), layer.hessian, "mxfp4"), layer.bias)
+        assert torch.equal(layer(x), fresh)
+    layer.weight.data.mul_(1.5)
+    layer.train(False)
+    assert not torch.equal(layer(x), fresh)
+
+
+def test_gptq_linears_refuses_shared_weights_and_unroundable_widths():
+    a, b = QATLinear(torch.nn.Linear(32, 32), "mxfp4"), QATLinear(torch.nn.Linear(32, 32), "mxfp4")
+    b.weight = a.weight  # tied: rounding one in place would silently change the other
+    with pytest.raises(ValueError, match="shared"):
+        gptq_linears_(torch.nn.Sequential(a, b), [torch.randn(2, 32)])
+    with pytest.raises(ValueError, match=r"multiple of 32 \(widths \[40\]\)"):
+        gptq_linears_(torch.nn.Sequential(QATLinear(torch.nn.Linear(40, 8), "mxfp4")), [torch.randn(2, 40)])

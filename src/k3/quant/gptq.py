@@ -21,6 +21,7 @@ CPU are why this module exists.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -113,6 +114,11 @@ def _input_hooks(modules: dict[str, nn.Module], hessians: dict[str, torch.Tensor
             h.remove()
 
 
+def gptq_roundable(module: nn.Module) -> bool:
+    """A QATLinear whose input width is whole MX blocks: what `gptq_linears_` and `GPTQLinear` can round."""
+    return isinstance(module, QATLinear) and module.in_features % BLOCK == 0
+
+
 @torch.no_grad()
 def gptq_linears_(model: nn.Module, batches, damp: float = 0.01, only=None) -> dict:
     """Round the weight of every QATLinear in `model` (the modules PTQ / QAT fake-quantize: the `linears` of
@@ -124,18 +130,31 @@ def gptq_linears_(model: nn.Module, batches, damp: float = 0.01, only=None) -> d
     layer by layer. The routed experts keep round-to-nearest. Returns, per module, the output error
     tr((W - Q) H (W - Q)^T) of round-to-nearest and of GPTQ (GPTQ is greedy, so its error is usually, not
     provably, the smaller; equal with uncorrelated inputs) and the calibration token count. `only(name)`, if given, picks the modules to round."""
-    modules = {n: m for n, m in model.named_modules() if isinstance(m, QATLinear) and (only is None or only(n))}
-    if not modules:
+    picked = {n: m for n, m in model.named_modules() if isinstance(m, QATLinear) and (only is None or only(n))}
+    if not picked:
         raise ValueError("gptq_linears_: the model has no QATLinear; build it with config.qat linears set "
                          "(e.g. qat={'linears': 'mxfp4'}) or wrap the layers to round in QATLinear")
-    hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in modules.items()}
+    # fake_quant pads a width that is not a multiple of 32 for rounding; GPTQ leaves such a layer round-to-nearest
+    modules = {n: m for n, m in picked.items() if gptq_roundable(m)}
+    if not modules:
+        raise ValueError(f"gptq_linears_: no QATLinear has in_features a multiple of {BLOCK} (widths "
+                         f"{sorted({m.in_features for m in picked.values()})}); GPTQ rounds whole MX blocks only")
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for name, m in modules.items():
+        if uses[id(m.weight)] > 1:
+            raise ValueError(f"gptq_linears_: {name}.weight is shared with another parameter (tied embeddings?), "
+                             "and rounding it in place would change that one too; untie it, or leave this layer "
+                             "out with only=")
+    device = next(model.parameters()).device
+    hessians = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64, device=m.weight.device)
+                for n, m in modules.items()}
     was_training = model.training
     model.eval()
     tokens = 0
     try:
         with _input_hooks(modules, hessians):
             for x in batches:
-                model(x)
+                model(x.to(device))
                 tokens += x.numel()
     finally:
         model.train(was_training)
@@ -143,8 +162,6 @@ def gptq_linears_(model: nn.Module, batches, damp: float = 0.01, only=None) -> d
         raise ValueError("gptq_linears_: no calibration batches were given")
     report = {"calibration_tokens": tokens, "layers": {}}
     for name, m in modules.items():
-        if m.in_features % BLOCK:
-            continue  # fake_quant pads such a layer for rounding; GPTQ leaves it round-to-nearest
         W, H = m.weight.detach(), hessians[name]
         Q = gptq_mx(W, H, m.weight_format, damp)
         rtn = fake_quantize_mx(W, m.weight_format, BLOCK)
@@ -158,7 +175,7 @@ class GPTQLinear(QATLinear):
     nearest, with H = the sum of x x^T over every input it has seen in training so far (this batch included),
     and a straight-through gradient to the full-precision weight. Training thus fits the weights to the
     rounding they will be exported with. In eval mode it uses the rounding from the H gathered in training
-    (recomputed only when the weight or H changed); before any training input it rounds to nearest.
+    (cached between weight updates); before any training input it rounds to nearest.
 
     Built from a QATLinear, sharing its parameters (state_dict names and values unchanged). H lives in a
     non-persistent buffer, so a resumed run starts it afresh (the benchmark that uses this never resumes
@@ -178,14 +195,21 @@ class GPTQLinear(QATLinear):
         self._cache: tuple | None = None
 
     def rounded_weight(self) -> torch.Tensor:
-        """The weight as this layer uses it: GPTQ-rounded with the H so far (round-to-nearest before any)."""
-        key = (self.weight._version, self.seen)
-        if self._cache is None or self._cache[0] != key:
-            w = self.weight.detach()
+        """The weight as this layer uses it: GPTQ-rounded with the H so far (round-to-nearest before any).
+        Cached in eval mode only, keyed on everything that can change it; a mode switch drops the cache (an
+        optimizer that writes the weight without bumping its version, e.g. fused AdamW, steps in train mode)."""
+        w = self.weight.detach()
+        key = (w._version, w.data_ptr(), w.dtype, w.device, self.seen, self.hessian._version)
+        if self.training or self._cache is None or self._cache[0] != key:
             q = gptq_mx(w, self.hessian, self.weight_format, self.damp) if self.seen else \
                 fake_quantize_mx(w, self.weight_format, BLOCK)
-            self._cache = (key, q)
+            self._cache = None if self.training else (key, q)
+            return q
         return self._cache[1]
+
+    def train(self, mode: bool = True):
+        self._cache = None
+        return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = fake_quant(x, self.act_format)
@@ -194,5 +218,6 @@ class GPTQLinear(QATLinear):
                 xf = x.detach().reshape(-1, x.shape[-1]).double()
                 self.hessian += xf.T @ xf
                 self.seen += xf.shape[0]
-        w = self.weight + (self.rounded_weight() - self.weight).detach()  # straight through to the weight
+        # exactly the rounded weight forward (w - w.detach() is 0), the identity backward: straight through
+        w = self.rounded_weight() + (self.weight - self.weight.detach())
         return F.linear(x, w, self.bias)
