@@ -309,3 +309,18 @@ def test_grouped_mm_takes_bf16_tokens_with_fp32_weights():
     want = grouped_swiglu(x, counts, w1.bfloat16(), w3.bfloat16(), w2.bfloat16(), "slices")
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+def test_router_scores_stay_fp32_under_autocast():
+    """Autocast would run the router's fp32 matmul in bf16 again (on CUDA, and on CPU as here): the scores, and
+    so the top-k choice between close experts, must not depend on it."""
+    torch.manual_seed(0)
+    r = Router(get_config("tiny"), 64)
+    x = torch.randn(256, 64)
+    plain = r.scores(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = r.scores(x.bfloat16())
+        assert torch.nn.functional.linear(x, r.weight).dtype == torch.bfloat16  # autocast is really on here
+    assert auto.dtype == torch.float32
+    assert torch.equal(auto, r.scores(x.bfloat16().float()))
+    assert not torch.equal(plain, auto)  # the inputs were bf16; only they differ, not the matmul's precision

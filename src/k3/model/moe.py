@@ -83,8 +83,12 @@ class Router(nn.Module):
             nn.init.normal_(self.weight, std=config.init_std)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> sigmoid affinities [..., E] in fp32 (the top-k decision compares close values)."""
-        return torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        """x [..., dim] -> sigmoid affinities [..., E] in fp32 (the top-k decision compares close values), also
+        under autocast, which would otherwise run the fp32 matmul in bf16 again."""
+        off = torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) \
+            else contextlib.nullcontext()
+        with off:
+            return torch.sigmoid(F.linear(x.float(), self.weight.float()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
