@@ -4,9 +4,11 @@ MX on the device, a training step under bf16 autocast).
     python benchmarks/gpu.py --json [--out FILE]      # on a CUDA machine; writes runs/bench/gpu.json or FILE
     python benchmarks/gpu.py --device cpu --quick     # dry run of the script's logic (small shapes)
 
-Each section runs in its own process under its own time limit (`LIMITS`, or `--section-timeout` for all) and
-records its own error or timeout instead of stopping the run; the sections that need fla's Triton kernels run
-last. fla autotunes every kernel over its configs on first use of each (dtype, head count, head dim): about
+Each section runs in its own process under its own time limit (`LIMITS`, or `--section-timeout` for all, each cut
+to what is left of `--budget`) and records its own error or timeout instead of stopping the run; the sections
+that need fla's Triton kernels run last. Nothing measured is lost to a limit: a section saves its rows as it
+finishes them (a timed-out section returns those, marked "partial"), the JSON is written after every section,
+and a SIGTERM (e.g. from `timeout`) writes it before the run stops. fla autotunes every kernel over its configs on first use of each (dtype, head count, head dim): about
 2,800 configs over ~200 kernels, several minutes per new shape, which no section limit allows. So by default
 (`--fla-autotune pinned`) every fla autotuner keeps one config, the one with the fewest pipeline stages and
 smallest blocks (the least shared memory, so it fits where any does): Triton then compiles it without
@@ -110,15 +112,35 @@ def fla_setup(dev, out: dict) -> None:
         out["fla_autotune_pinned"] = pin_fla_autotune()
 
 
+_PARTIAL: tuple[str, str] | None = None  # child mode: (part file, section name) that save_partial writes
+
+
+def save_partial(out: dict) -> None:
+    """Inside a section: write what it has measured so far to the child's part file, so that a section cut off
+    by its time limit still returns the rows it finished (marked "partial")."""
+    if _PARTIAL is not None:
+        path, name = _PARTIAL
+        write_result(path, {name: {**out, "partial": True}})
+
+
+def guarded(out: dict, key: str, fn) -> None:
+    """out[key] = fn(), or the error it raised: one failing check inside a section must not hide the others."""
+    try:
+        out[key] = fn()
+    except Exception as e:  # noqa: BLE001
+        out[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+    save_partial(out)
+
+
 def section(results: dict, name: str, fn, dev, quick) -> None:
     t0 = time.perf_counter()
     try:
         results[name] = fn(dev, quick)
+        if dev.type == "cuda":
+            results[name]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     results[name]["section_s"] = round(time.perf_counter() - t0, 2)
-    if dev.type == "cuda":
-        results[name]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(f"[{name}] {time.perf_counter() - t0:.1f}s {'ERROR ' + results[name]['error'] if 'error' in results[name] else 'ok'}",
           flush=True)
 
@@ -167,35 +189,47 @@ def kda_check(dev, quick):
     o_ref, s_ref = naive_recurrent_kda(*ref_in, initial_state=h0.double(), output_final_state=True)
     (o_ref * w.double()).sum().backward()
     g_ref = [x.grad for x in ref_in]
-    out = {"shape": [B, T, H, K, V], "dispatch": choose_impl(xs[0])}
+    out = {"shape": [B, T, H, K, V]}
+    guarded(out, "dispatch", lambda: choose_impl(xs[0]))
     fla_setup(dev, out)
-    impls = {"k3_torch_chunk": lambda *a, **kw: chunk_kda(*a, **kw)}
+
+    def grads_of(fn):
+        def run():
+            for x in xs:
+                x.grad = None
+            t0 = time.perf_counter()
+            o, s = fn(*xs, initial_state=h0.clone(), output_final_state=True)
+            (o * w).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            return {"first_call_s": time.perf_counter() - t0, "o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref),
+                    "grad_rel_err": {n: rel(x.grad, gr) for n, x, gr in zip("q k v g beta".split(), xs, g_ref)}}
+        return run
+
+    progress("kda_check: k3_torch_chunk")
+    guarded(out, "k3_torch_chunk", grads_of(chunk_kda))
     if dev.type == "cuda":
-        impls["dispatch_default"] = lambda *a, **kw: kda(*a, **kw)  # fla's Triton chunk_kda when fla is there
-    for name, fn in impls.items():
-        for x in xs:
-            x.grad = None
-        progress(f"kda_check: {name} first call (fla compiles its kernels here)")
-        t0 = time.perf_counter()
-        o, s = fn(*xs, initial_state=h0.clone(), output_final_state=True)
-        (o * w).sum().backward()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out[name] = {"first_call_s": time.perf_counter() - t0,"o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref),
-                     "grad_rel_err": {n: rel(x.grad, gr) for n, x, gr in zip("q k v g beta".split(), xs, g_ref)}}
-    if dev.type == "cuda":  # bf16 inputs through fla, as training under autocast feeds it
-        xb = [x.detach().bfloat16() for x in xs]
-        with torch.no_grad():
-            o, s = kda(*xb, initial_state=h0.clone(), output_final_state=True)
-        out["dispatch_bf16_inputs"] = {"o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref)}
-        # decode: one token at a time through the default dispatch (fla fused_recurrent) from the state
-        with torch.no_grad():
-            state, steps = h0.clone(), []
-            for t in range(min(T, 64)):
-                o_t, state = kda(*[x.detach()[:, t:t + 1] for x in xs], initial_state=state,
-                                 output_final_state=True)
-                steps.append(o_t)
-        out["decode_64_steps_o_rel_err"] = rel(torch.cat(steps, 1), o_ref[:, :len(steps)])
+        def bf16_inputs():  # bf16 inputs through fla's chunk_kda, as training under autocast feeds it
+            xb = [x.detach().bfloat16() for x in xs]
+            with torch.no_grad():
+                o, s = kda(*xb, initial_state=h0.clone(), output_final_state=True)
+            return {"o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref)}
+
+        def decode():  # one token at a time through the default dispatch (fla fused_recurrent) from the state
+            with torch.no_grad():
+                state, steps = h0.clone(), []
+                for t in range(min(T, 64)):
+                    o_t, state = kda(*[x.detach()[:, t:t + 1] for x in xs], initial_state=state,
+                                     output_final_state=True)
+                    steps.append(o_t)
+            return rel(torch.cat(steps, 1), o_ref[:, :len(steps)])
+
+        progress("kda_check: bf16 through the default dispatch (fla compiles its kernels here)")
+        guarded(out, "dispatch_bf16_inputs", bf16_inputs)
+        progress("kda_check: decode, 64 steps")
+        guarded(out, "decode_64_steps_o_rel_err", decode)
+        progress("kda_check: fp32 with gradients through the default dispatch (another compile)")
+        guarded(out, "dispatch_default", grads_of(lambda *a, **kw: kda(*a, **kw)))
     return out
 
 
@@ -239,6 +273,8 @@ def kda_speed(dev, quick):
                 fb = cuda_ms(fwd_bwd, reps, warm=2, device=dev)
                 row[f"{name}.{str(dtype)[6:]}"] = {"forward_ms": f["median_ms"], "fwd_bwd_ms": fb["median_ms"],
                                                    "forward_tokens_per_s": B * T / (f["median_ms"] * 1e-3)}
+                out["B{}_T{}_H{}_K{}_V{}".format(*shape)] = row
+                save_partial(out)
         fla_, ours = row.get("fla_triton_chunk.bfloat16"), row.get("k3_torch_chunk.bfloat16")
         if fla_ and ours:
             row["fla_triton_over_k3_torch_forward.bfloat16"] = ours["forward_ms"] / fla_["forward_ms"]
@@ -323,10 +359,12 @@ def moe_speed(dev, quick):
         v["fwd_bwd_speedup_vs_loop"] = loop["fwd_bwd_ms"] / v["fwd_bwd_ms"]
     out["mini_layer"] = {"tokens": N, "dtype": str(dt), "n_experts": cfg.n_experts, "top_k": cfg.n_active_experts,
                          "speedup_vs_loop": layer["grouped.auto"]["fwd_bwd_speedup_vs_loop"], "impls": layer}
+    save_partial(out)
     # full-width routed experts: 32 local experts (896 over 28 EP ranks), latent 3584, ffn 3072
     E, dim, ffn, k = (8, 256, 128, 2) if quick else (32, 3584, 3072, 4)
     Nk = 1024 if quick else 16384
-    ex = RoutedExperts(E, dim, ffn).to(dev, dt)
+    with torch.device(dev):  # initialised on the device: no 4 GB of fp32 weights drawn on the host first
+        ex = RoutedExperts(E, dim, ffn).to(dt)
     z = torch.randn(Nk, dim, device=dev, dtype=dt)
     experts = torch.rand(Nk, E, device=dev).argsort(-1)[:, :k]  # k distinct experts per token
     weights = torch.softmax(torch.randn(Nk, k, device=dev), -1)
@@ -376,6 +414,7 @@ def model_check(dev, quick):
     out["tiny_full_logits_max_abs"] = full.abs().max().item()
     out["tiny_prefill_decode_vs_full_rel"] = rel(torch.cat(steps, 1), full)
     out["tiny_cache_nbytes"] = cache.nbytes()
+    save_partial(out)
     torch.manual_seed(0)
     mm = K3Model(get_config("tiny" if quick else "mini")).eval()
     ids = torch.randint(0, mm.config.vocab_size, (2, 300))
@@ -405,6 +444,9 @@ def train_step(dev, quick):
     for i in range(steps):
         progress(f"train_step: step {i + 1} of {steps}")
         recs.append(trainer.train_step())
+        out["losses"] = [r["loss"] for r in recs]
+        out["step_time_s"] = [r["step_time_s"] for r in recs]
+        save_partial(out)
     times = [r["step_time_s"] for r in recs[1:]]
     out.update({"preset": config.name, "batch": B, "seq_len": T, "autocast": "bf16" if dev.type == "cuda" else None,
                 "losses": [r["loss"] for r in recs], "all_finite": all(math.isfinite(r["loss"]) for r in recs),
@@ -456,10 +498,13 @@ LIMITS = {"peaks": 30, "moe_check": 50, "moe_speed": 90, "mx": 40, "kda_check": 
           "train_step": 75, "kda_speed": 110}
 
 
+TAIL = 2000  # characters of a failed section's output kept in the JSON
+CHILD_SCRIPT = __file__  # what a section's child process runs (the tests point it at a wrapper)
+
+
 def run_isolated(name: str, args, timeout: float) -> dict:
     """One section in a child process with a wall-clock limit, so a section that hangs or spends its time
     compiling kernels costs its own limit, not the rest of the run."""
-    import json
     import os
     import subprocess
     import sys
@@ -467,7 +512,7 @@ def run_isolated(name: str, args, timeout: float) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         part = f"{tmp}/{name}.json"
-        cmd = [sys.executable, __file__, "--only", name, "--device", args.device, "--part", part]
+        cmd = [sys.executable, CHILD_SCRIPT, "--only", name, "--device", args.device, "--part", part]
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()
@@ -479,16 +524,30 @@ def run_isolated(name: str, args, timeout: float) -> dict:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                                   env=env)
         except subprocess.TimeoutExpired as e:
-            tail = (e.stdout or b"")[-4000:]
+            tail = (e.stdout or b"")[-TAIL:]
             tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
             print(f"[{name}] TIMEOUT after {timeout:.0f}s", flush=True)
-            return {"error": f"timeout: the section did not finish in {timeout:.0f} s", "output_tail": tail}
-        try:
-            with open(part) as f:
-                return json.load(f)[name]
-        except (OSError, ValueError, KeyError):
-            return {"error": f"child exited {proc.returncode} without a result", "output_tail": proc.stdout[-4000:],
-                    "section_s": round(time.perf_counter() - t0, 2)}
+            # the rows the section finished before its limit (save_partial), with the timeout beside them
+            return {**read_part(part, name), "error": f"timeout: the section did not finish in {timeout:.0f} s",
+                    "output_tail": tail, "section_s": round(time.perf_counter() - t0, 2)}
+        got = read_part(part, name)
+        if not got or got.get("partial"):
+            got = {**got, "error": f"child exited {proc.returncode} without a result", "output_tail": proc.stdout[-TAIL:],
+                   "section_s": round(time.perf_counter() - t0, 2)}
+        if "error" in got:
+            print(f"[{name}] ERROR {got['error']}", flush=True)
+        return got
+
+
+def read_part(path: str, name: str) -> dict:
+    """A child's part file for one section ({} when it wrote none)."""
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)[name]
+    except (OSError, ValueError, KeyError):
+        return {}
 
 
 def main(argv=None) -> dict:
@@ -497,8 +556,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="small shapes")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     ap.add_argument("--out", default=None,
-                    help="write the JSON here, after every section (default runs/bench/gpu.json; quick or CPU "
-                         "runs: runs/bench/quick/gpu.json)")
+                    help="write the JSON here, after every section and when the run is terminated (default "
+                         "runs/bench/gpu.json; quick or CPU runs: runs/bench/quick/gpu.json)")
+    ap.add_argument("--budget", type=float, default=570.0,
+                    help="seconds the whole run may take (default 570): each section's limit is cut to what is "
+                         "left, and a section with under 15 s left is skipped and says so")
     ap.add_argument("--only", default=None, help="comma-separated sections to run: " + ",".join(SECTIONS))
     ap.add_argument("--section-timeout", type=float, default=None,
                     help="seconds every section may take (default: each its own, " +
@@ -518,6 +580,8 @@ def main(argv=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if args.part:  # child: run the sections in this process
+        global _PARTIAL
+        _PARTIAL = (args.part, wanted[0]) if len(wanted) == 1 else None
         results = {}
         for name in wanted:
             section(results, name, SECTIONS[name], dev, args.quick)
@@ -533,13 +597,28 @@ def main(argv=None) -> dict:
         except PackageNotFoundError:
             results["machine"][lib] = "not installed"
     results["fla_autotune"] = args.fla_autotune
+    out = args.out or bench_out("gpu", args.quick or dev.type != "cuda")
+    t_start = time.perf_counter()
+
+    def terminated(signum, _frame):  # e.g. `timeout` ran out: keep what finished, then stop
+        results["terminated"] = f"signal {signum} after {time.perf_counter() - t_start:.0f} s"
+        write_result(out, results)
+        raise SystemExit(128 + signum)
+
+    import signal
+
+    signal.signal(signal.SIGTERM, terminated)
     for name in wanted:
-        results[name] = run_isolated(name, args, args.section_timeout or LIMITS[name])
-        if "error" not in results[name]:
-            print(f"[{name}] {results[name].get('section_s', '?')}s ok", flush=True)
-        if args.out:  # what finished survives a run cut short
-            write_result(args.out, results)
-    write_result(args.out or bench_out("gpu", args.quick or dev.type != "cuda"), results, args.json)
+        left = args.budget - (time.perf_counter() - t_start)
+        if left < 15:
+            results[name] = {"error": f"skipped: {left:.0f} s of the --budget {args.budget:.0f} s left"}
+            print(f"[{name}] SKIPPED ({left:.0f} s left)", flush=True)
+        else:
+            results[name] = run_isolated(name, args, min(args.section_timeout or LIMITS[name], left - 5))
+            if "error" not in results[name]:
+                print(f"[{name}] {results[name].get('section_s', '?')}s ok", flush=True)
+        write_result(out, results)  # what finished survives a run cut short
+    write_result(out, results, args.json)
     return results
 
 

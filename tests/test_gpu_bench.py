@@ -69,3 +69,80 @@ def test_a_section_past_its_limit_is_recorded_as_a_timeout(gpu_bench, tmp_path):
 def test_unknown_section_is_named(gpu_bench):
     with pytest.raises(SystemExit, match="unknown section"):
         gpu_bench.main(["--device", "cpu", "--only", "kda"])
+
+
+# a stand-in for gpu.py whose `peaks` section saves one row and then hangs: for the cut-off paths below
+_HANGING = """
+import sys, time
+sys.path.insert(0, {bench!r})
+import gpu
+
+def hangs(dev, quick):
+    out = {{"first_row": 1}}
+    gpu.save_partial(out)
+    time.sleep(120)
+    return out
+
+gpu.SECTIONS["peaks"] = hangs
+gpu.CHILD_SCRIPT = __file__  # the section's child runs this stand-in too
+gpu.main()
+"""
+
+
+def _hanging_script(tmp_path) -> str:
+    from pathlib import Path
+
+    script = tmp_path / "hanging_gpu.py"
+    script.write_text(_HANGING.format(bench=str(Path(__file__).resolve().parents[1] / "benchmarks")))
+    return str(script)
+
+
+def test_a_timed_out_section_keeps_the_rows_it_finished(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, _hanging_script(tmp_path), "--device", "cpu", "--quick", "--only", "peaks",
+                        "--section-timeout", "20", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    peaks = json.loads(out.read_text())["peaks"]
+    assert peaks["first_row"] == 1 and peaks["partial"] and peaks["error"].startswith("timeout")
+
+
+def test_a_terminated_run_keeps_the_finished_sections(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "gpu.json"
+    p = subprocess.Popen([sys.executable, _hanging_script(tmp_path), "--device", "cpu", "--quick", "--only",
+                          "mx,peaks", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.time()
+    while not out.exists() and time.time() - t0 < 100 and p.poll() is None:  # written once mx has finished
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    log = p.communicate(timeout=60)[0]
+    assert p.returncode == 128 + signal.SIGTERM, log[-2000:]
+    res = json.loads(out.read_text())
+    assert "error" not in res["mx"] and res["mx"]["mxfp4"]["random_code_mismatches"] == 0
+    assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}") and "peaks" not in res
+
+
+def test_the_budget_skips_what_it_cannot_fit(gpu_bench, tmp_path):
+    res = gpu_bench.main(["--device", "cpu", "--quick", "--only", "peaks,mx", "--budget", "10",
+                          "--out", str(tmp_path / "gpu.json")])
+    assert res["peaks"]["error"].startswith("skipped") and res["mx"]["error"].startswith("skipped")
+
+
+def test_a_failing_check_inside_a_section_does_not_hide_the_others(gpu_bench, tmp_path):
+    part = tmp_path / "part.json"
+    gpu_bench._PARTIAL = (str(part), "s")
+    try:
+        out = {}
+        gpu_bench.guarded(out, "bad", lambda: 1 / 0)
+        gpu_bench.guarded(out, "good", lambda: 2)
+    finally:
+        gpu_bench._PARTIAL = None
+    assert out["bad"]["error"].startswith("ZeroDivisionError") and out["good"] == 2
+    assert gpu_bench.read_part(str(part), "s")["good"] == 2 and gpu_bench.read_part(str(part), "s")["partial"]

@@ -195,11 +195,18 @@ def test_dispatch_choices(monkeypatch, caplog):
     assert choose_impl(torch.zeros(1, 17, 1, 4)) == "chunk"
     fake_cuda = SimpleNamespace(is_cuda=True, shape=(1, 100, 1, 4))
     assert choose_impl(fake_cuda) == "fla"                                    # fla is installed here
-    monkeypatch.setattr(kda_mod, "_fla_kda", lambda: None)
+    import sys
+    import types
+
+    class Broken(types.ModuleType):  # fla present but failing to import, as with a Triton it does not support
+        def __getattr__(self, name):
+            raise RuntimeError("unsupported Triton")
+
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", Broken("fla.ops.kda"))
     monkeypatch.setattr(kda_mod, "_warned_no_fla", False)
     with caplog.at_level(logging.WARNING, logger="k3.ops.kda"):
         assert choose_impl(fake_cuda) == "chunk"
-    assert "fla is not installed" in caplog.text
+    assert "fla is not usable (RuntimeError: unsupported Triton)" in caplog.text
 
 
 @pytest.mark.parametrize("T,impl", [(5, "recurrent"), (40, "chunk")])

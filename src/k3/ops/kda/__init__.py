@@ -28,10 +28,17 @@ RECURRENT_MAX_T = 16  # on CPU, at most this many tokens go through the step loo
 _warned_no_fla = False
 
 
+_fla_import_error: str | None = None
+
+
 def _fla_kda():
+    """fla's (chunk_kda, fused_recurrent_kda), or None when fla is missing or fails to import (a Triton it does
+    not support raises other errors than ImportError); the reason is kept for the warning."""
+    global _fla_import_error
     try:
         from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
-    except ImportError:
+    except Exception as e:  # noqa: BLE001
+        _fla_import_error = f"{type(e).__name__}: {e}"
         return None
     return fla_chunk, fla_recurrent
 
@@ -43,7 +50,8 @@ def choose_impl(q: torch.Tensor) -> str:
         if _fla_kda() is not None:
             return "fla"
         if not _warned_no_fla:
-            logger.warning("fla is not installed: KDA on CUDA runs the pure-torch kernels; pip install 'k3[gpu]'")
+            logger.warning("fla is not usable (%s): KDA on CUDA runs the pure-torch kernels; pip install 'k3[gpu]' "
+                           "(fla-core with a Triton it supports)", _fla_import_error)
             _warned_no_fla = True
     return "recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
 
