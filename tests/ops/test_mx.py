@@ -57,7 +57,8 @@ def adversarial(fmt):
         for vals in (m, nextafter(m, INF), nextafter(m, -INF), -m):
             block(vals)
     top = f.max_normal
-    block([top, nextafter(torch.tensor(top), INF), top * 1.1, (2 * 2.0**f.emax) * 0.999, -top * 1.3])
+    # past the largest normal but below 2^(emax+1): the block's scale stays, these saturate
+    block([top, nextafter(torch.tensor(top), INF), top * 1.1, (2 * 2.0**f.emax) * 0.999, -top * 1.1])
     for k in (-130, -127, -126, -125, -124, -120, -60, 0, 60, 100, 126, 127):  # power-of-two amax
         rows.append(torch.randn(32) * 2.0**k)
         rows.append(torch.full((32,), 2.0**k) * torch.tensor([1.0, -1.0]).repeat(16))
@@ -290,6 +291,9 @@ def test_non_contiguous_and_empty_inputs():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         codes, scales = quantize_mx(torch.empty(0, 64), fmt, packed=True)
         assert codes.shape == (0, 64 if fmt == "mxfp8" else 32) and scales.shape == (0, 2)
+        assert dequantize_mx(codes, scales, fmt).shape == (0, 64)
+        for shape in ((0, 64), (3, 0), (2, 0, 32)):  # fake quant of an empty batch (an EP rank given no rows)
+            assert fake_quantize_mx(torch.empty(shape), fmt).shape == shape
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def _tamper_manifest(export_dir, fn):
 
 
 @pytest.mark.parametrize("case", ["scale_shape", "codes_dtype", "nan_scale", "missing", "stray", "version",
-                                  "block_size", "format", "config", "hash"])
+                                  "block_size", "format", "config", "hash", "truncated"])
 def test_mismatched_export_is_a_clear_error(tmp_path, case):
     src, cfg = _ckpt(tmp_path, K3_QAT)
     ex = tmp_path / "ex"
@@ -146,6 +146,12 @@ def test_mismatched_export_is_a_clear_error(tmp_path, case):
     elif case == "config":
         kwargs["config"] = get_config("tiny", qat=K3_QAT, expert_ffn=96)
         want = ["expert_ffn"]
+    elif case == "truncated":
+        file = ckpt.latest_checkpoint(ex) / "model.safetensors"
+        size = file.stat().st_size
+        with open(file, "r+b") as f:
+            f.truncate(size // 2)
+        want = [f"{size // 2} bytes where the manifest says {size}", "truncated", "k3 export --format mx"]
     else:
         step = ckpt.latest_checkpoint(ex)
         with open(step / "model.safetensors", "r+b") as f:  # flip one bit of the last tensor's data
@@ -167,6 +173,17 @@ def test_export_refuses_bad_requests(tmp_path):
         export_mx(src, tmp_path / "ex")
     with pytest.raises(ValueError, match="already a packed"):
         export_mx(tmp_path / "ex", tmp_path / "ex2")
+    # --overwrite replaces an earlier export, never training state: not into the source's own root
+    before = sorted(p.name for p in src.iterdir())
+    with pytest.raises(ValueError, match="training checkpoint.*does not replace"):
+        export_mx(src, src, overwrite=True)
+    assert sorted(p.name for p in src.iterdir()) == before
+    assert export_mx(src, tmp_path / "ex", overwrite=True).name == "step_000007"
+    from k3.serve.hf import export_hf
+
+    with pytest.raises(ValueError, match=f"packed MX export.*instead \\({src}"):  # HF wants fp32 experts
+        export_hf(tmp_path / "ex", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
     with pytest.raises(ValueError, match="training checkpoint"):
         load_packed(src)
     m = K3Model(get_config("tiny"))

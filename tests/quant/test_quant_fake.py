@@ -148,3 +148,13 @@ def test_qat_paths_match_naive_fwd_bwd(moe, impl, backend):
     assert torch.equal(y1, y0)  # same quantized operands, and here the same sums
     for a, b in [(gx1, gx0)] + [(g1[n], g0[n]) for n in g0]:
         assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("impl,backend", [("naive", "auto"), ("loop", "auto"), ("grouped", "slices"),
+                                          ("grouped", "bmm")])
+def test_routed_experts_take_an_empty_batch_under_qat(impl, backend):
+    """An expert-parallel rank can receive no rows: fake quant of the empty activations must not fail."""
+    ex = RoutedExperts(4, 32, 64, weight_format="mxfp4", act_format="mxfp8")
+    ex.impl, ex.backend = impl, backend
+    y = ex(torch.zeros(0, 32), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert y.shape == (0, 32)

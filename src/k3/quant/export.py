@@ -153,8 +153,13 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     if activations not in ("keep", "mxfp8", "mxfp4", "none"):
         raise ValueError(f"--activations {activations!r}: use keep, mxfp8, mxfp4 or none")
     out = Path(out)
-    if ckpt.latest_checkpoint(out) is not None and not overwrite:
+    held = [p for _, p in ckpt.step_dirs(out)] if out.is_dir() else []
+    if held and not overwrite:
         raise ValueError(f"{out} already holds a checkpoint or export; pass --overwrite or another --out")
+    trained = [p for p in held if not _is_export(p)]
+    if trained:  # --overwrite replaces earlier exports only, never training state (nor the checkpoint read here)
+        raise ValueError(f"{out} holds training checkpoint(s) {[p.name for p in trained][:3]}, which --overwrite "
+                         "does not replace; give an --out of its own for the export")
     src, manifest = load_trained_model(ckpt_path)
     if EXPORT_KEY in manifest.get("extra", {}):
         raise ValueError(f"{manifest['path']} is already a packed MX export")
@@ -190,6 +195,13 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     return path
 
 
+def _is_export(step_dir: Path) -> bool:
+    try:
+        return EXPORT_KEY in ckpt.read_manifest(step_dir, verify=False).get("extra", {})
+    except (OSError, ValueError):  # unreadable: not known to be an export, so not ours to replace
+        return False
+
+
 def _resolve(path: Path) -> Path | None:
     return path if (path / ckpt.MANIFEST).is_file() else ckpt.latest_checkpoint(path)
 
@@ -221,34 +233,40 @@ def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu", con
                          f"{info.get('expert_weights')!r}; the manifest is inconsistent, export again")
     ckpt.check_config(manifest["config"], config, str(found / ckpt.MANIFEST))
     model = build_packed_model(file_config)
-    _check_packed_file(found / ckpt.MODEL_FILE, model, file_config, fmt)
+    _check_packed_file(found / ckpt.MODEL_FILE, model, file_config, fmt, manifest)
     manifest = ckpt.load_checkpoint(found, model, config=file_config, restore_rng=False)
     return model.to(device).eval(), manifest
 
 
-def _check_packed_file(file: Path, model, config: K3Config, fmt: str) -> None:
+REEXPORT = "re-export it from the training checkpoint: `k3 export --format mx CKPT --out DIR`"
+
+
+def _check_packed_file(file: Path, model, config: K3Config, fmt: str, manifest: dict) -> None:
     from safetensors import safe_open
 
     if not file.is_file():
-        raise ckpt.CheckpointError(f"{file}: missing")
+        raise ckpt.CheckpointError(f"{file}: missing; {REEXPORT}")
     want = {n: t for n, t in model.state_dict().items() if ".experts." in n}
     why = (f"n_experts={config.n_experts}, expert width {config.latent_dim} (moe_latent_dim / d_model), "
            f"expert_ffn={config.expert_ffn}, {fmt} in blocks of {BLOCK}")
     try:
         f = safe_open(str(file), "pt")
     except Exception as e:  # safetensors raises its own error types for malformed headers
-        raise ckpt.CheckpointError(f"{file}: cannot be read as safetensors ({e})") from None
+        size, want_bytes = file.stat().st_size, (manifest.get("files") or {}).get(file.name, {}).get("bytes")
+        why_not = (f"{size} bytes where the manifest says {want_bytes}: truncated or changed after export"
+                   if want_bytes is not None and size != want_bytes else str(e))
+        raise ckpt.CheckpointError(f"{file}: cannot be read as safetensors ({why_not}); {REEXPORT}") from None
     with f:
         names = set(f.keys())
         for name, t in want.items():
             if name not in names:
                 raise ckpt.CheckpointError(f"{file}: packed tensor {name!r} is missing (expected uint8 "
-                                           f"{list(t.shape)} for {why})")
+                                           f"{list(t.shape)} for {why}); {REEXPORT}")
             sl = f.get_slice(name)
             dtype, shape = sl.get_dtype(), list(sl.get_shape())
             if dtype != "U8" or shape != list(t.shape):
                 raise ckpt.CheckpointError(f"{file}: tensor {name!r} is {dtype} {shape}, but the config implies "
-                                           f"uint8 {list(t.shape)} ({why}); the export does not match its config")
+                                           f"uint8 {list(t.shape)} ({why}); the export does not match its config: {REEXPORT}")
             if name.endswith("_scales") and bool((f.get_tensor(name) == 0xFF).any()):
                 raise ckpt.CheckpointError(f"{file}: tensor {name!r} holds the E8M0 NaN code 0xFF: the weights "
                                            "it was exported from contained NaN")

@@ -338,9 +338,14 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     config.json, model.safetensors, generation_config.json and, when a tokenizer is found (the argument,
     else the one the checkpoint's manifest names), the tokenizer files. The directory is written beside
     `out_dir` and renamed into place, so `out_dir` is either the old export or the complete new one."""
+    from k3.quant.export import EXPORT_KEY
     from k3.train.trainer import load_trained_model
 
     model, manifest = load_trained_model(ckpt_dir)
+    if EXPORT_KEY in manifest.get("extra", {}):
+        src = manifest["extra"][EXPORT_KEY].get("source", {}).get("checkpoint")
+        raise ValueError(f"{manifest['path']} is a packed MX export; the HF format holds full-precision expert "
+                         f"weights: export the training checkpoint it was packed from instead ({src})")
     tok = None
     named = tokenizer_path or (manifest.get("data") or {}).get("tokenizer")
     if named is not None:

@@ -348,6 +348,8 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_siz
             f"block_size {block_size} = {n}" + (" (or half that, packed)" if f.name == "mxfp4" else "")
         )
     nb = s.numel()
+    if nb == 0:  # no blocks (a zero-size dim): nothing to decode, and reshape(0, -1) is undefined
+        return torch.empty(*s.shape[:-1], n, dtype=dtype, device=codes.device)
     sf = _scale_values(s.reshape(-1)).unsqueeze(-1)
     rows = codes.reshape(nb, -1)
     lut = _e2m1_pair_values(codes.device) if packed else _e2m1_values(codes.device).unsqueeze(-1)
