@@ -206,6 +206,11 @@ def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):
     with pytest.raises(ValueError, match="512 tokens but the model's vocab_size is 1024"):
         export_hf(tmp_path / "ckpt2", tmp_path / "never")
     assert not (tmp_path / "never").exists()
+    # the export replaces its --out whole: never a directory that is not an earlier HF export (a training run)
+    before = sorted(p.name for p in (tmp_path / "ckpt2").iterdir())
+    with pytest.raises(ValueError, match="not an earlier HF export"):
+        export_hf(tmp_path / "ckpt2", tmp_path / "ckpt2")
+    assert sorted(p.name for p in (tmp_path / "ckpt2").iterdir()) == before
     # a tokenizer without k3's special tokens
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import models

@@ -18,6 +18,7 @@ enter the KDA state.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -223,7 +224,6 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if path.is_dir() and (path / "config.json").is_file():
             config = kwargs.get("config")
             if not isinstance(config, K3HFConfig):
-                import json
 
                 model_type = json.loads((path / "config.json").read_text()).get("model_type")
                 if model_type != MODEL_TYPE:
@@ -254,7 +254,6 @@ def _mismatch_error(where, missing, unexpected, mismatched) -> ValueError:
 def check_weights(path: str | os.PathLike, config: K3HFConfig) -> None:
     """Compare the safetensors headers in `path` (one file or an index of shards) with the tensors the config
     implies; raise ValueError naming the first differences. Reads headers only."""
-    import json
 
     from safetensors import safe_open
 
@@ -332,6 +331,13 @@ def check_tokenizer(tokenizer, config: K3Config | K3HFConfig | None = None, voca
 
 
 # ---------------------------------------------------------------------- conversion
+def _is_hf_export(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
               tokenizer_path: str | os.PathLike | None = None) -> Path:
     """Convert a k3 training checkpoint (a step directory, or a root holding `latest`) into an HF directory:
@@ -341,6 +347,11 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     from k3.quant.export import EXPORT_KEY
     from k3.train.trainer import load_trained_model
 
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not _is_hf_export(out):
+        raise ValueError(f"{out} is not empty and not an earlier HF export of a k3 model (no config.json with "
+                         f"model_type {MODEL_TYPE!r}); the export replaces the whole directory, so give it an --out "
+                         "of its own")
     model, manifest = load_trained_model(ckpt_dir)
     if EXPORT_KEY in manifest.get("extra", {}):
         src = manifest["extra"][EXPORT_KEY].get("source", {}).get("checkpoint")
@@ -358,7 +369,6 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     else:
         log.warning("no tokenizer given and the checkpoint names none: exporting the model only")
     hf = K3ForCausalLM.from_k3(model)
-    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
