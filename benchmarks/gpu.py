@@ -8,8 +8,9 @@ Each section runs in its own process under its own time limit (`LIMITS`, or `--s
 to what is left of `--budget`) and records its own error or timeout instead of stopping the run; the sections
 that need fla's Triton kernels run last. Nothing measured is lost to a limit: a section saves its rows as it
 finishes them (a timed-out section returns those, marked "partial"), the JSON is written after every section,
-and a SIGTERM (e.g. from `timeout`) writes it before the run stops. fla autotunes every kernel over its configs on first use of each (dtype, head count, head dim): about
-2,800 configs over ~200 kernels, several minutes per new shape, which no section limit allows. So by default
+and a SIGTERM (e.g. from `timeout`) writes it before the run stops. fla autotunes every kernel over its configs
+on first use of each (dtype, head count, head dim): about 2,800 configs over ~200 kernels, several minutes per
+new shape, which no section limit allows. So by default
 (`--fla-autotune pinned`) every fla autotuner keeps one config, the one with the fewest pipeline stages and
 smallest blocks (the least shared memory, so it fits where any does): Triton then compiles it without
 benchmarking. fla's results do not depend on the config, its speed does: pinned fla times are an upper bound
@@ -202,7 +203,8 @@ def kda_check(dev, quick):
             (o * w).sum().backward()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            return {"first_call_s": time.perf_counter() - t0, "o_rel_err": rel(o, o_ref), "state_rel_err": rel(s, s_ref),
+            return {"first_call_s": time.perf_counter() - t0, "o_rel_err": rel(o, o_ref),
+                    "state_rel_err": rel(s, s_ref),
                     "grad_rel_err": {n: rel(x.grad, gr) for n, x, gr in zip("q k v g beta".split(), xs, g_ref)}}
         return run
 
@@ -532,7 +534,8 @@ def run_isolated(name: str, args, timeout: float) -> dict:
                     "output_tail": tail, "section_s": round(time.perf_counter() - t0, 2)}
         got = read_part(part, name)
         if not got or got.get("partial"):
-            got = {**got, "error": f"child exited {proc.returncode} without a result", "output_tail": proc.stdout[-TAIL:],
+            got = {**got, "error": f"child exited {proc.returncode} without a result",
+                   "output_tail": proc.stdout[-TAIL:],
                    "section_s": round(time.perf_counter() - t0, 2)}
         if "error" in got:
             print(f"[{name}] ERROR {got['error']}", flush=True)

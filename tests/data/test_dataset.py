@@ -144,6 +144,27 @@ def test_mismatched_tokenizer_and_truncated_file_are_detected(ds, docs, tmp_path
         load_dataset(copy)
 
 
+@pytest.mark.parametrize("damage", ["manifest_json", "manifest_key", "docs_empty", "docs_truncated"])
+def test_damaged_dataset_files_name_the_file_and_the_fix(ds, tmp_path, damage):
+    copy = tmp_path / "copy"
+    shutil.copytree(ds.manifest_path.parent, copy)
+    manifest = copy / ds.manifest_path.name
+    docs_file = copy / json.loads(manifest.read_text())["doc_starts"]
+    if damage == "manifest_json":
+        manifest.write_text(manifest.read_text()[:40])
+        bad = manifest
+    elif damage == "manifest_key":
+        m = json.loads(manifest.read_text())
+        del m["dtype"]
+        manifest.write_text(json.dumps(m))
+        bad = manifest
+    else:
+        docs_file.write_bytes(b"" if damage == "docs_empty" else docs_file.read_bytes()[:20])
+        bad = docs_file
+    with pytest.raises(ValueError, match=f"{bad}.*damaged; rebuild it with `k3 tokenize --out {copy}`"):
+        load_dataset(copy)
+
+
 @pytest.fixture()
 def text_dir(tmp_path, docs):
     d = tmp_path / "corpus"

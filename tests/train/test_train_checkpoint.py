@@ -109,8 +109,13 @@ def test_corrupted_file_is_named(tmp_path):
     # truncated model file
     m = path / "model.safetensors"
     m.write_bytes(m.read_bytes()[:-10])
-    with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors.*size"):
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.safetensors.*size.*resume from an earlier step"):
         ckpt.read_manifest(path)
+    good = json.loads((path / "manifest.json").read_text())
+    for broken in (None, {**good, "files": {}}, {**good, "files": {"model.safetensors": {"bytes": 1}}}):
+        (path / "manifest.json").write_text(json.dumps(broken))  # structure, not just syntax
+        with pytest.raises(ckpt.CheckpointError, match=r"manifest\.json.*(not a manifest|'files').*delete"):
+            ckpt.read_manifest(path, verify=False)
     (path / "manifest.json").write_text("{ not json")
     with pytest.raises(ckpt.CheckpointError, match=r"manifest\.json.*JSON"):
         ckpt.load_checkpoint(path, Net())

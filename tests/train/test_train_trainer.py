@@ -64,6 +64,46 @@ def test_resume_refuses_a_different_data_order(tmp_path, fake_data):
         t.fit()  # a fresh run would silently mix with the old checkpoint
 
 
+def test_resume_refuses_other_data(tmp_path, fake_data):
+    """Same shapes, other tokens or tokenizer: the resumed steps would train on something else."""
+    cfg, data = get_config("tiny"), fake_data()
+    info = {"data_dir": "/data/a", "tokenizer_hash": "aaa", "train_tokens": len(data)}
+    Trainer(cfg, TrainConfig(**dict(TINY, steps=2)), data, None, tmp_path, data_info=info).fit()
+    for k, v in (("tokenizer_hash", "bbb"), ("train_tokens", len(data) + 1)):
+        t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4)), data, None, tmp_path, data_info={**info, k: v})
+        with pytest.raises(ckpt.CheckpointError, match=f"{k}.*resume with --data /data/a"):
+            t.fit(resume=True)
+    moved = Trainer(cfg, TrainConfig(**dict(TINY, steps=3)), data, None, tmp_path,
+                    data_info={**info, "data_dir": "/elsewhere"})  # the same data, moved: fine
+    assert moved.fit(resume=True).steps_done == 3 and moved.step == 3  # one more step, after the two
+
+
+def test_resume_leaves_the_rng_where_an_uninterrupted_run_has_it(tmp_path, fake_data):
+    """The MFU peak measurement (run once per process, at the start of fit) draws its own random matrices: the
+    global RNG that a resume restores must not move."""
+    from k3.train import metrics
+
+    cfg, data = get_config("tiny"), fake_data()
+    Trainer(cfg, TrainConfig(**dict(TINY, steps=2, measure_mfu=False)), data, None, tmp_path).fit()
+    metrics._PEAK.clear()  # as in a fresh process
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=2)), data, None, tmp_path)
+    t.resume()
+    state = torch.get_rng_state()
+    metrics.measured_peak_flops("cpu", n=64)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_non_finite_gradient_is_never_applied_or_saved(tmp_path, fake_data):
+    cfg, data = get_config("tiny"), fake_data()
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
+    blow_up = t.model.head.weight.register_hook(lambda g: g * float("inf") if t.step == 1 else g)
+    with pytest.raises(ValueError, match="gradient norm is (inf|nan) at step 2 \\(not applied, not saved\\)"):
+        t.fit()
+    blow_up.remove()
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000001"
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+
+
 def test_metrics_fields(tmp_path, fake_data):
     cfg, data = get_config("tiny"), fake_data()
     tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, optimizer="muon", eval_every=2)), data, data, tmp_path,
@@ -101,12 +141,13 @@ def test_activation_checkpointing_matches(fake_data):
 
 def test_time_budget_stops_and_saves(tmp_path, fake_data):
     cfg, data = get_config("tiny"), fake_data()
-    tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.01)), data, data, tmp_path)
-    res = tr.fit()
+    tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.01, eval_every=1)), data, data, tmp_path)
+    res = tr.fit()  # eval_every=1: the stop always comes right after a periodic eval
     assert res.stopped_early and 0 < res.steps_done < 10_000
     assert res.elapsed_s < 0.01 * 60 + 5
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == f"step_{res.steps_done:06d}"
     assert res.val  # evaluated before stopping
+    assert len({v["step"] for v in res.val}) == len(res.val)  # once per step, even right after a periodic eval
 
 
 def test_fit_steps_to_budget_plans_the_decay(fake_data):
@@ -138,6 +179,10 @@ def test_bad_inputs_fail_before_training(tmp_path, fake_data):
         TrainConfig(optimizer="sgd").validate()
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0).validate()
+    from k3.train.cli import set_threads
+
+    with pytest.raises(ValueError, match="--threads -1: give a positive number"):
+        set_threads(-1)
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
 
 

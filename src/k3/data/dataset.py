@@ -59,10 +59,19 @@ class PackedDataset:
         if not self.manifest_path.is_file():
             raise ValueError(f"no dataset manifest at {self.manifest_path}; build it with `k3 tokenize --out "
                              f"{self.manifest_path.parent}`")
-        self.manifest = m = json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        if m.get("format") != DATASET_FORMAT:
-            raise ValueError(f"{self.manifest_path} has dataset format {m.get('format')!r}, this k3 reads "
-                             f"{DATASET_FORMAT}; rebuild it with `k3 tokenize`")
+        rebuild = f"rebuild it with `k3 tokenize --out {self.manifest_path.parent}`"
+        try:
+            self.manifest = m = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.manifest_path} is not valid JSON ({e}): the dataset is damaged; "
+                             f"{rebuild}") from None
+        if not isinstance(m, dict) or m.get("format") != DATASET_FORMAT:
+            got = m.get("format") if isinstance(m, dict) else type(m).__name__
+            raise ValueError(f"{self.manifest_path} has dataset format {got!r}, this k3 reads "
+                             f"{DATASET_FORMAT}; {rebuild}")
+        missing = [k for k in ("bin", "dtype", "n_tokens", "doc_starts") if k not in m]
+        if missing:
+            raise ValueError(f"{self.manifest_path} lacks {missing}: the dataset is damaged; {rebuild}")
         root = self.manifest_path.parent
         self.bin_path = root / m["bin"]
         self.dtype = np.dtype(m["dtype"])
@@ -74,7 +83,11 @@ class PackedDataset:
                              f"({self.n_tokens} x {self.dtype}); the dataset is incomplete: rebuild it with "
                              f"`k3 tokenize`")
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
-        self.doc_starts: np.ndarray = np.load(root / m["doc_starts"])
+        try:
+            self.doc_starts: np.ndarray = np.load(root / m["doc_starts"])
+        except (OSError, ValueError, EOFError) as e:
+            raise ValueError(f"{root / m['doc_starts']} cannot be read ({type(e).__name__}: {e}): the dataset is "
+                             f"damaged; {rebuild}") from None
 
     # ------------------------------------------------------------------ facts
     def __len__(self) -> int:
@@ -234,7 +247,13 @@ def load_data(out_dir: str | os.PathLike) -> DataFiles:
     out_dir = Path(out_dir)
     tok = load_tokenizer(out_dir / TOKENIZER_FILE)
     info_path = out_dir / DATA_MANIFEST
-    info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
+    info = {}
+    if info_path.is_file():  # a description of how the data was made; training does not need it
+        try:
+            info = json.loads(info_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            log.warning("%s is not valid JSON (%s); going on without it (`k3 tokenize --force` rewrites it)",
+                        info_path, e)
     return DataFiles(out_dir, tok, load_dataset(out_dir, "train", tok), load_dataset(out_dir, "val", tok), info)
 
 

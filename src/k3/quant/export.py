@@ -266,7 +266,8 @@ def _check_packed_file(file: Path, model, config: K3Config, fmt: str, manifest: 
             dtype, shape = sl.get_dtype(), list(sl.get_shape())
             if dtype != "U8" or shape != list(t.shape):
                 raise ckpt.CheckpointError(f"{file}: tensor {name!r} is {dtype} {shape}, but the config implies "
-                                           f"uint8 {list(t.shape)} ({why}); the export does not match its config: {REEXPORT}")
+                                           f"uint8 {list(t.shape)} ({why}); the export does not match its "
+                                           f"config: {REEXPORT}")
             if name.endswith("_scales") and bool((f.get_tensor(name) == 0xFF).any()):
                 raise ckpt.CheckpointError(f"{file}: tensor {name!r} holds the E8M0 NaN code 0xFF: the weights "
                                            "it was exported from contained NaN")

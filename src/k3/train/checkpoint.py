@@ -281,24 +281,33 @@ def read_manifest(ckpt: str | os.PathLike, verify: bool = True) -> dict:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); the checkpoint is corrupted") from None
+    way_out = (f"the checkpoint is corrupted: delete {ckpt} and resume from an earlier step (`latest` falls back "
+               "to the newest complete one), or start a new run")
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: a JSON {type(manifest).__name__}, not a manifest object; {way_out}")
     for key in ("format", "step", "files", "config"):
         if key not in manifest:
-            raise CheckpointError(f"{path}: field {key!r} is missing")
+            raise CheckpointError(f"{path}: field {key!r} is missing; {way_out}")
     if manifest["format"] != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {manifest['format']!r}, expected {FORMAT!r}")
+    files = manifest["files"]
+    if not (isinstance(files, dict) and MODEL_FILE in files and all(
+            isinstance(e, dict) and {"bytes", "sha256"} <= set(e) for e in files.values())):
+        raise CheckpointError(f"{path}: field 'files' must list {MODEL_FILE} and give every file's bytes and "
+                              f"sha256; {way_out}")
     if verify:
-        for fname, entry in manifest["files"].items():
+        for fname, entry in files.items():
             fpath = ckpt / fname
             if not fpath.is_file():
                 raise CheckpointError(f"{fpath}: missing (listed in the manifest)")
             size = fpath.stat().st_size
             if size != entry["bytes"]:
                 raise CheckpointError(f"{fpath}: size {size} bytes, manifest says {entry['bytes']}; the file is "
-                                      "truncated or corrupted")
+                                      f"truncated: {way_out}")
             digest = sha256_file(fpath)
             if digest != entry["sha256"]:
                 raise CheckpointError(f"{fpath}: sha256 {digest[:16]}... does not match the manifest's "
-                                      f"{entry['sha256'][:16]}...; the file is corrupted")
+                                      f"{entry['sha256'][:16]}...; {way_out}")
     return manifest
 
 

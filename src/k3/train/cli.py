@@ -86,7 +86,9 @@ def _train_config(args, **over):
 
 
 def _data_info(files) -> dict:
-    return {"data_dir": str(Path(files.out_dir).resolve()), "tokenizer": str(Path(files.tokenizer.path).resolve())}
+    return {"data_dir": str(Path(files.out_dir).resolve()), "tokenizer": str(Path(files.tokenizer.path).resolve()),
+            # what a resume compares: the same tokenizer and training tokens, wherever the directory now is
+            "tokenizer_hash": files.tokenizer.fingerprint, "train_tokens": len(files.train)}
 
 
 def _bytes_per_token(ds) -> float | None:
@@ -103,6 +105,8 @@ def set_threads(n: int | None, auto: bool = False) -> int:
 
     import torch
 
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"--threads {n}: give a positive number of CPU threads (0 or none: the default)")
     if n:
         torch.set_num_threads(n)
     elif auto and hasattr(os, "getloadavg"):

@@ -97,8 +97,9 @@ def measured_peak_flops(device: str | torch.device = "cpu", dtype: torch.dtype =
     key = (device.type, device.index, dtype, n)
     if key in _PEAK:
         return _PEAK[key]
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=None)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # its own: drawing from the global one would move a
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)  # resumed run's restored RNG state
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     best = float("inf")
     for i in range(repeats + 1):
         _sync(device)

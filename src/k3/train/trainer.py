@@ -120,6 +120,7 @@ class TrainConfig:
 
 # Fields that must match for a resumed run to see the same batches and updates.
 RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
 
 
 def _compile_backends() -> set[str]:
@@ -400,6 +401,12 @@ class Trainer:
                 raise ckpt.CheckpointError(
                     f"{manifest['path']}/manifest.json: data field {k!r} is {data[k]!r} in the checkpoint but "
                     f"{getattr(self.tc, k)!r} now; resume with the same {k} (or start a new run)")
+        for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
+            if k in data and k in self.data_info and data[k] != self.data_info[k]:
+                raise ckpt.CheckpointError(
+                    f"{manifest['path']}/manifest.json: the checkpoint was trained on data with {k} {data[k]!r}, "
+                    f"this run's data has {self.data_info[k]!r}; resume with --data {data.get('data_dir', 'DIR')} "
+                    "(the data it was trained on), or start a new run")
         for g, lr in zip(self.optimizer.param_groups, self._peak_lrs):
             g["peak_lr"] = lr  # the schedule follows this run's --lr
         self.step = int(manifest["step"])
@@ -453,6 +460,11 @@ class Trainer:
         t3 = time.perf_counter()
         with record_function("k3::optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, tc.grad_clip if tc.grad_clip > 0 else math.inf)
+            loss = loss_sum / tc.accum
+            if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # before the update: never applied
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {float(grad_norm)}"
+                raise ValueError(f"training diverged: {what} at step {self.step + 1} (not applied, not saved); "
+                                 "lower --lr or check the data")
             self.optimizer.step()
         t_opt = time.perf_counter() - t3
         clip = None
@@ -465,10 +477,6 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        loss = loss_sum / tc.accum
-        if not math.isfinite(loss):
-            raise ValueError(f"training diverged: loss is {loss} at step {self.step + 1}; lower --lr or check "
-                             "the data")
         n_tok = tc.accum * tc.batch_size * tc.seq_len
         self.step += 1
         self.tokens += n_tok
@@ -567,7 +575,7 @@ class Trainer:
                         emit(v, on_eval)
                 if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final):
                     saved_at = self.save()
-            if result.stopped_early:
+            if result.stopped_early and not (result.val and result.val[-1].get("step") == self.step):
                 v = self.run_eval()
                 if v is not None:
                     result.val.append(v)
