@@ -353,3 +353,45 @@ def test_chat_output_parser_streams_like_the_whole_reply():
                 else:
                     got[kind] += v
         assert (got["content"], got["reasoning"], got["tool_call"]) == (content, reasoning, ["f"])
+
+
+def test_one_failing_request_ends_alone_and_extreme_params_sample(tiny_model, monkeypatch):
+    """A request whose own sampling raises ends with 'error'; the batch mate finishes normally. Extreme but
+    valid parameters (a huge seed, a temperature of 1e-40, a repetition penalty of 1e-40) sample a token."""
+    import k3.serve.engine as engine_mod
+
+    eng = Engine(tiny_model, max_batch=4, eos_id=NO_EOS)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = Engine(tiny_model, max_batch=1, eos_id=NO_EOS).generate([[20, 21, 22]], greedy)[0].output_ids
+    victim = eng.submit([20, 21, 22], greedy)
+    eng.step()
+    real = engine_mod.sample_row
+
+    def broken(logits, params, *a):
+        if params.max_tokens == 3:
+            raise RuntimeError("boom")
+        return real(logits, params, *a)
+
+    monkeypatch.setattr(engine_mod, "sample_row", broken)
+    bad = eng.submit([30, 31], SamplingParams(max_tokens=3))
+    while eng.has_work():
+        eng.step()
+    assert bad.finish_reason == "error" and "boom" in bad.error and bad.finished
+    assert victim.finish_reason == "length" and victim.output_ids == alone
+    monkeypatch.setattr(engine_mod, "sample_row", real)
+    extreme = [SamplingParams(max_tokens=2, seed=2**70), SamplingParams(max_tokens=2, seed=-2**70),
+               SamplingParams(max_tokens=2, temperature=1e-40),
+               SamplingParams(max_tokens=2, repetition_penalty=1e-40, temperature=0.7)]
+    reqs = eng.generate([[40, 41]] * len(extreme), extreme)
+    assert [r.finish_reason for r in reqs] == ["length"] * len(extreme)
+    near_greedy = reqs[2].output_ids
+    assert near_greedy == eng.generate([[40, 41]], SamplingParams(max_tokens=2, temperature=0))[0].output_ids
+
+
+def test_generate_takes_more_prompts_than_the_engine_holds(tiny_model):
+    eng = Engine(tiny_model, max_batch=2, max_queue=1, eos_id=NO_EOS)
+    reqs = eng.generate(_prompts([3, 4, 5, 6, 7]), SamplingParams(max_tokens=2, temperature=0))
+    assert [r.finish_reason for r in reqs] == ["length"] * 5 and not eng.has_work()
+    with pytest.raises(ValueError, match="empty"):  # a bad prompt after good ones: nothing is queued
+        eng.generate([[5, 6], []], SamplingParams(max_tokens=2))
+    assert not eng.has_work()

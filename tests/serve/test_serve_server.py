@@ -184,6 +184,21 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model):
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": long_chat}), 400, "messages",
            "context_length_exceeded")
     _error(http.get("/v1/nothing-here"), 404)
+    # bodies that once gave 500s: a lone surrogate, number literals too big for a float or for int(), a
+    # request that can never fit the engine (4 running + 8 queued), fields of the wrong type
+    raw = lambda path, text: http.post(path, content=text.encode(), headers={"content-type": "application/json"})  # noqa: E731
+    _error(raw("/v1/completions", f'{{"model": "{MODEL}", "prompt": "a\\ud800b"}}'), 400, "prompt")
+    _error(raw("/v1/chat/completions", f'{{"model": "{MODEL}", "messages": [{{"role": "user", '
+               f'"content": "\\ud800"}}]}}'), 400, "messages")
+    _error(raw("/v1/completions", f'{{"model": "{MODEL}", "prompt": "x", "temperature": 1{"0" * 400}}}'),
+           400, "temperature")
+    _error(raw("/v1/completions", f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 1{"0" * 5000}}}'),
+           400, code="invalid_json")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 7}), 400, "n")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True,
+                                    "stream_options": {"include_usage": "yes"}}), 400, "include_usage")
+    _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 0, "max_completion_tokens": 1}), 400, "max_tokens")
     # the official client maps them to its exception types
     with pytest.raises(openai.NotFoundError):
         client(server_url).completions.create(model="nope", prompt="x")

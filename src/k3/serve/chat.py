@@ -82,6 +82,11 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
 
     def text(s: str) -> None:
         if s:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): not text the tokenizer can take
+                raise ChatFormatError(f"messages hold text that is not valid Unicode ({e.reason} at position "
+                                      f"{e.start})") from None
             ids.extend(tokenizer.encode(s, allow_special=False))
 
     for i, m in enumerate(messages):

@@ -110,6 +110,7 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.joining: list[Request] = []  # prefilled, first token sampled, not yet merged into the batch
         self.batch: HybridCache | None = None  # one row per running request, in `running` order
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -185,7 +186,15 @@ class Engine:
                  on_event: Callable[[TokenEvent], None] | None = None) -> list[Request]:
         """Run `prompts` to completion together (continuous batching if more than max_batch)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        reqs = [self.submit(p, sp, on_event) for p, sp in zip(prompts, plist)]
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams; give one per prompt or one")
+        for p, sp in zip(prompts, plist):  # every request checked before any is queued
+            self.check_request(list(p), sp)
+        reqs = []
+        for p, sp in zip(prompts, plist):
+            while self.in_flight >= self.max_batch + self.max_queue:  # synchronous: make room by running
+                self.step()
+            reqs.append(self.submit(p, sp, on_event))
         while self.has_work():
             self.step()
         return reqs
@@ -193,9 +202,9 @@ class Engine:
     def fail_all(self, message: str) -> None:
         """End every request with finish_reason 'error' (after an unexpected failure inside a step)."""
         with self._lock:
-            reqs = list(self.waiting) + self.prefilling + self.running
+            reqs = list(self.waiting) + self.prefilling + self.joining + self.running
             self.waiting.clear()
-        self.prefilling, self.running, self.batch = [], [], None
+        self.prefilling, self.joining, self.running, self.batch = [], [], [], None
         for r in reqs:
             r.error = message
             self._finish(r, "error", None)
@@ -212,13 +221,14 @@ class Engine:
                 r = self.waiting.popleft()
                 r.state, r.cache = "prefill", self.model.new_cache()
                 self.prefilling.append(r)
-        joining = self._prefill_round(done) if self.prefilling else []
-        if joining:
-            rows = ([self.batch] if self.batch is not None else []) + [r.cache for r in joining]
+        self.joining = self._prefill_round(done) if self.prefilling else []
+        if self.joining:
+            rows = ([self.batch] if self.batch is not None else []) + [r.cache for r in self.joining]
             self.batch = HybridCache.merge(rows)
-            for r in joining:
+            for r in self.joining:
                 r.cache, r.state = None, "running"
-            self.running.extend(joining)
+            self.running.extend(self.joining)
+            self.joining = []
         if self.running:
             self._decode(done)
         return done
@@ -262,18 +272,30 @@ class Engine:
         joining = []
         for r, logits in ready:
             self.prefilling.remove(r)
-            if r.params.penalised:
-                r.counts = torch.bincount(torch.tensor(r.prompt_ids), minlength=self.config.vocab_size).to(self.device)
-            r.generator = torch.Generator(device=self.device)
-            if r.params.seed is not None:
-                r.generator.manual_seed(r.params.seed)
-            else:
-                r.generator.seed()
-            if self._accept(r, sample_row(logits, r.params, r.counts, r.generator)):
+            try:
+                if r.params.penalised:
+                    r.counts = torch.bincount(torch.tensor(r.prompt_ids),
+                                              minlength=self.config.vocab_size).to(self.device)
+                r.generator = torch.Generator(device=self.device)
+                if r.params.seed is not None:
+                    r.generator.manual_seed(r.params.seed % 2**64)  # any int: torch takes [0, 2^64)
+                else:
+                    r.generator.seed()
+                finished = self._accept(r, sample_row(logits, r.params, r.counts, r.generator))
+            except Exception as e:  # noqa: BLE001 - this request's own failure ends it alone
+                self._fail(r, e, done)
+                continue
+            if finished:
                 done.append(r)
             else:
                 joining.append(r)
         return joining
+
+    def _fail(self, r: Request, e: Exception, done: list[Request]) -> None:
+        log.exception("request %s failed; the others go on", r.id)
+        r.error = f"{type(e).__name__}: {e}"
+        self._finish(r, "error", None)
+        done.append(r)
 
     def _decode(self, done: list[Request]) -> None:
         ids = torch.tensor([[r.pending] for r in self.running], device=self.device)
@@ -281,7 +303,12 @@ class Engine:
         logits = self.model(ids, self.batch)[:, -1]  # [B, V]
         keep = []
         for i, r in enumerate(self.running):
-            if self._accept(r, sample_row(logits[i], r.params, r.counts, r.generator)):
+            try:
+                finished = self._accept(r, sample_row(logits[i], r.params, r.counts, r.generator))
+            except Exception as e:  # noqa: BLE001 - this request's own failure ends it alone
+                self._fail(r, e, done)
+                continue
+            if finished:
                 done.append(r)
             else:
                 keep.append(i)

@@ -3,7 +3,8 @@
 Order of the logit transforms (as in HF transformers' logits processors and vLLM's sampler):
 repetition penalty (CTRL, Keskar et al., arXiv 1909.05858: a seen token's logit is divided by the penalty
 when positive, multiplied when negative), OpenAI's frequency and presence penalties
-(logit -= count * frequency_penalty + [count > 0] * presence_penalty), then temperature (0 = greedy),
+(logit -= count * frequency_penalty + [count > 0] * presence_penalty; counts over prompt and output alike,
+where vLLM counts only output tokens for these two), then temperature (0 = greedy),
 top-k, and top-p (nucleus sampling, Holtzman et al., arXiv 1904.09751: the smallest set of most likely
 tokens whose probability reaches top_p).
 """
@@ -41,8 +42,11 @@ class SamplingParams:
 
         def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < lo or v > hi or (lo_open and v == lo):
+            try:
+                fv = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+            except OverflowError:  # an integer too large for a float
+                fv = math.nan
+            if not math.isfinite(fv) or fv < lo or fv > hi or (lo_open and fv == lo):
                 bad(name, v, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -104,7 +108,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     """logits [B, V] -> next ids [B, 1]; temperature 0 is greedy; top_k then top_p restrict the candidates."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float()
+    # shifted so the best logit is 0 (and +-inf from extreme penalties clamped first): a tiny temperature then
+    # gives 0 and -inf, a near-greedy distribution, never inf / inf = NaN
+    logits = logits.float().clamp(-torch.finfo(torch.float32).max, torch.finfo(torch.float32).max)
+    logits = logits - logits.max(-1, keepdim=True).values
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

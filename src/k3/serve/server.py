@@ -136,7 +136,7 @@ async def _json_body(request: Request) -> dict:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and integers past Python's digit limit
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
@@ -160,7 +160,11 @@ def _get(body: dict, name: str, kinds: tuple, default=None, what: str = ""):
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
     v = _get(body, name, (int, float), default, f"must be a number in {'(' if lo_open else '['}{lo}, {hi}]")
-    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+    try:
+        fv = float(v)
+    except OverflowError:  # an integer literal too large for a float
+        fv = math.inf
+    if not math.isfinite(fv) or fv < lo or fv > hi or (lo_open and fv == lo):
         raise bad(f"{name} = {v!r} is invalid: must be a number in {'(' if lo_open else '['}{lo}, {hi}]", name)
     return float(v)
 
@@ -203,11 +207,8 @@ def _sampling(body: dict, max_tokens: int | None) -> SamplingParams:
 
 
 def _max_tokens(body: dict, *names: str) -> int | None:
-    for name in names:
-        v = _integer(body, name, None, 1)
-        if v is not None:
-            return v
-    return None
+    given = [v for v in (_integer(body, name, None, 1) for name in names) if v is not None]  # each one checked
+    return given[0] if given else None
 
 
 def _stream_options(body: dict) -> bool:
@@ -219,7 +220,7 @@ def _stream_options(body: dict) -> bool:
         raise bad("stream_options must be {'include_usage': bool}", "stream_options")
     if not stream:
         raise bad("stream_options is only allowed with stream = true", "stream_options")
-    return bool(opts.get("include_usage", False))
+    return _get(opts, "include_usage", (bool,), False, "must be true or false")
 
 
 # ---------------------------------------------------------------------- the app
@@ -311,6 +312,10 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
                                    else min(room, params.max_tokens))
 
     def submit_all(jobs: list[tuple[int, list[int], SamplingParams]], events: "_Events") -> list:
+        cap = engine.max_batch + engine.max_queue
+        if len(jobs) > cap:  # could never fit, so not a 429 to retry
+            raise bad(f"{len(jobs)} completions were requested at once (n x prompts), but this server holds at "
+                      f"most {cap} requests; lower n or send fewer prompts per request", "n")
         reqs = []
         try:
             for index, ids, params in jobs:
@@ -491,6 +496,10 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 def _completion_prompts(prompt, tok) -> list[list[int]]:
     """OpenAI's four prompt forms: str, [str], [int], [[int]]. An empty prompt starts a new document."""
     def ids_of(text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): not text the tokenizer can take
+            raise bad(f"prompt is not valid Unicode text ({e.reason} at position {e.start})", "prompt") from None
         return tok.encode(text) if text else [tok.eos_id]
 
     if prompt is None:
