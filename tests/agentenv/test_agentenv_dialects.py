@@ -72,6 +72,29 @@ def test_malformed_calls_raise_parse_error_only():
                 assert all(isinstance(x, Action) for x in out)
 
 
+def test_hostile_arguments_raise_parse_error_only():
+    """NaN or negative timeouts, integers past Python's digit limit, nesting past the stack, non-ASCII digits:
+    each a ParseError naming the problem, never another exception out of parse()."""
+    for variant in [make_variant(d) for d in DIALECTS]:  # each dialect's own spelling of a 5 s timeout
+        d = make_dialect(variant)
+        good = d.render_call(Action("run", {"command": "ls", "timeout": 5.0}))
+        spelled = next(t for t in ("5.0", "5000") if t in good)
+        for bad in ("NaN", "-1", "1" + "0" * 5000):
+            with pytest.raises(ParseError):
+                d.parse(good.replace(spelled, bad))
+    with pytest.raises(ValueError, match="positive number"):
+        make_action("run", {"command": "ls", "timeout": float("nan")})
+    with pytest.raises(ValueError, match="positive number"):
+        make_action("run", {"command": "ls", "timeout": 10**400})
+    with pytest.raises(ValueError, match="must be a int"):
+        make_action("read", {"path": "a", "offset": "\u00b2"})
+    k = make_dialect(make_variant("kimi"))
+    for body in ('{"command": "ls", "timeout": 1' + "0" * 5000 + "}", "[" * 50000 + "]" * 50000):
+        with pytest.raises(ParseError, match="cannot be read|must be"):
+            k.parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.Shell:0"
+                    "<|tool_call_argument_begin|>" + body + "<|tool_call_end|>")
+
+
 def test_argument_errors_name_the_problem():
     d = make_dialect(make_variant("claude"))
     with pytest.raises(ParseError, match="unknown tool 'Delete'"):

@@ -111,3 +111,34 @@ def test_missing_or_broken_observations_never_pass(monkeypatch):
     assert res.reward == 0.0 and "exited" in res.error
     monkeypatch.setattr(V, "run_probe", lambda *a, **k: {"ok": False, "error": "boom"})
     assert V.verify(task, snap).reward == 0.0
+
+
+def test_an_unreadable_directory_cannot_hide_files_from_the_verifier(sandbox):
+    """The agent hides the files it should delete in a directory it makes unreadable (mode 000): the export
+    must still see them (it restores the owner's read bits first), so the task is not solved."""
+    from k3.agentenv import ScriptedPolicy, load_tasks, run_episode
+    from k3.agentenv.actions import Action
+
+    task = load_tasks("files-delete-scratch")[0]
+    hide = ("mkdir project/.keep && find project -name 'scratch_*' -not -path 'project/.keep/*' "
+            "-exec mv {} project/.keep/ \\; && chmod 000 project/.keep")
+    r = run_episode(task, ScriptedPolicy([Action("run", {"command": hide})]), seed=0)
+    assert r["status"] == "finished" and r["reward"] == 0.0, r["verifier"]
+
+
+def test_hidden_python_cases_see_the_pinned_hash_seed(sandbox, tmp_path):
+    """What a set's order looked like in the episode (PYTHONHASHSEED=0) is what grading sees, every time."""
+    from k3.agentenv.sandbox import Session
+    from k3.agentenv.tasks import write_task
+
+    src = "def tags(words):\n    return list(set(words))\n"
+    with Session({"m.py": (src.encode(), 0o644)}, sandbox) as s:
+        seen = s.run("python3 -c 'import m; print(m.tags([\"red\", \"green\", \"blue\", \"cyan\", \"teal\"]))'")
+    root = write_task(tmp_path / "tasks", id="t-hash", family="pyfix", title="t", instruction="x",
+                      workspace={"m.py": src},
+                      checks=[{"id": "c", "kind": "python", "label": "F2P",
+                               "code": "from m import tags\nresult = tags(['red', 'green', 'blue', 'cyan', 'teal'])",
+                               "expect": {"value": json.loads(seen["output"].replace("'", '"'))}}], solution=[])
+    task = load_task(root)
+    snap = snapshot_from_files(task.workspace_files())
+    assert [V.verify(task, snap, sandbox).reward for _ in range(4)] == [1.0] * 4

@@ -1,20 +1,25 @@
 """Hidden Python cases runner: executes each case beside the agent's code and reports its result.
 
-Runs as `python3 -I -S -c` in the verification sandbox: -I ignores PYTHON* variables, user site and
-the script directory, -S skips `site` (no .pth files, no sitecustomize/usercustomize). The workspace
-is *appended* to sys.path, so a workspace `json.py`/`unittest.py`/`signal.py` cannot shadow the
-standard library. The host imports this module for `encode` (the same encoding on both sides).
+Runs as `python3 -s -S -P -c` in the verification sandbox, with the environment the host pinned (so
+PYTHONHASHSEED=0 holds here as in the episode; -I would ignore it): -s skips the user site, -S skips `site`
+(no .pth files, no sitecustomize/usercustomize), -P leaves the current directory off sys.path (Python 3.10,
+which lacks -P, gets the same from the first lines below). The workspace is *appended* to sys.path, so a
+workspace `json.py`/`unittest.py`/`signal.py` cannot shadow the standard library. The host imports this module for `encode` (the same encoding on both sides).
 
 A case is code that sets `result`; the runner reports `{"id", "value": encode(result)}` or
 `{"id", "raises": name, "mro": [builtin exception names]}`. Reports are observations only — the
 expected values never come here.
 """
-import builtins
-import json
-import math
-import os
-import signal
 import sys
+
+if sys.path and sys.path[0] == "":  # `-c` without -P: the current directory, before any other import
+    del sys.path[0]
+
+import builtins  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
 
 _dumps = json.dumps
 _write = os.write

@@ -186,7 +186,9 @@ def python_group(checks, runners, entries):
                "cases": [{"id": c["id"], "code": c["code"],
                           "timeout": min(float(c.get("timeout", limit)), limit)} for c in checks]}
     timeout = limit + 1.0
-    res = run_child([PY, "-I", "-S", "-c", runners["python"]], json.dumps(payload).encode(),
+    # not -I: its -E would drop the pinned PYTHONHASHSEED (the environment is the host's, not the agent's)
+    flags = ["-s", "-S", "-P"] if sys.version_info >= (3, 11) else ["-s", "-S"]  # 3.10: the runner drops ''
+    res = run_child([PY, *flags, "-c", runners["python"]], json.dumps(payload).encode(),
                     timeout, result_fd=True)
     obs, seen = {}, {}
     for line in res.get("results", "").splitlines():

@@ -1,6 +1,8 @@
 """The one action set every dialect maps to: read, write, edit, run, search, finish."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from .sandbox import Session
@@ -46,6 +48,13 @@ class Action:
         return {"tool": self.tool, **self.args}
 
 
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def make_action(tool: str, args: dict) -> Action:
     if tool not in ACTIONS:
         raise ActionError(f"unknown action {tool!r}")
@@ -62,7 +71,7 @@ def make_action(tool: str, args: dict) -> Action:
                 raise ActionError(f"missing required argument {name!r} for {tool}")
             continue
         v = args[name]
-        if typ is int and isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        if typ is int and isinstance(v, str) and re.fullmatch(r"-?[0-9]{1,18}", v.strip()):  # ASCII digits only
             v = int(v)
         if typ is bool and isinstance(v, str) and v.lower() in ("true", "false"):
             v = v.lower() == "true"
@@ -74,6 +83,8 @@ def make_action(tool: str, args: dict) -> Action:
         if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
             want = typ.__name__ if isinstance(typ, type) else "number"
             raise ActionError(f"argument {name!r} of {tool} must be a {want}, got {type(v).__name__}")
+        if typ == (int, float) and not (_finite(v) and v > 0):  # the timeout: NaN or <= 0 would kill
+            raise ActionError(f"argument {name!r} of {tool} must be a positive number of seconds, got {v!r}")
         clean[name] = v
     return Action(tool, clean)
 

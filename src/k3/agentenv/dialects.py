@@ -279,6 +279,8 @@ def _json_args(raw: str, name: str):
         return json.loads(raw)
     except json.JSONDecodeError as e:
         raise ParseError(f"the arguments of {name} are not valid JSON ({e.msg} at position {e.pos})") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting past the stack
+        raise ParseError(f"the arguments of {name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
 
 
 class KimiDialect(Dialect):
@@ -374,7 +376,7 @@ class ClaudeDialect(Dialect):
             return raw
         try:
             return json.loads(raw.strip())
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON (or past the digit / nesting limits): the text itself
             return raw.strip()
 
     def render_results(self, results):
@@ -571,6 +573,8 @@ class ReactDialect(Dialect):
             args, _ = json.JSONDecoder().raw_decode(rest)
         except json.JSONDecodeError as e:
             raise ParseError(f"Action Input of {name} is not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting past the stack
+            raise ParseError(f"Action Input of {name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
         return self._decode_call(name, args)
 
     def render_results(self, results):

@@ -68,7 +68,7 @@ def run_episode(task: Task, policy: Policy, seed: int = 0,
     try:
         if cfg.prestart_verifier and needs_sandbox(task):
             probe = Probe(cfg.sandbox)  # starts now, receives the workspace only after teardown
-    except SandboxError:
+    except Exception:  # noqa: BLE001 - SandboxUnavailable too (a failed fork): verify later, never leak the session
         probe = None
     try:
         finished = False
@@ -270,7 +270,7 @@ class _JsonlWriter:
         self.fh = os.fdopen(fd, "w")
 
     def write(self, rec):
-        self.fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.fh.write(json.dumps(rec) + "\n")  # ASCII escapes: a lone surrogate from a policy cannot break it
         self.fh.flush()
 
     def commit(self):

@@ -171,8 +171,8 @@ def bwrap_argv(cfg: SandboxConfig, command: list[str], *, inputs: bool = False) 
           "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
     if inputs:
         a += ["--size", str(lim.fsize_bytes), "--tmpfs", INPUTS]
-    for m in _masks():
-        a += ["--tmpfs", m]
+    for m in _masks():  # empty, tiny and read-only: a mask must not become a place to write
+        a += ["--size", "4096", "--perms", "0555", "--tmpfs", m, "--remount-ro", m]
     a += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKSPACE, "--"]
     return a + command
 
