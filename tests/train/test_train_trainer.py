@@ -226,3 +226,33 @@ def test_compile_matches_eager(fake_data):
 def test_compile_backend_unknown():
     with pytest.raises(ValueError, match="torch.compile backend"):
         TrainConfig(**dict(TINY, compile="no_such_backend")).validate()
+
+
+def test_distributed_guards_that_need_no_collective(tmp_path, fake_data):
+    """A non-finite step is refused before the update, --max-minutes is refused (ranks would have to agree on
+    the stop), and the single-process Trainer recognises a distributed checkpoint instead of clobbering it."""
+    import math
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from k3.config import get_config
+    from k3.parallel.train import ParallelTrainer
+    from k3.train.trainer import TrainConfig, Trainer
+
+    for loss, norm in ((1.0, float("inf")), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="at step 3 \\(not applied, not saved\\)"):
+            ParallelTrainer._check_finite(SimpleNamespace(step=2), loss, torch.tensor(norm))
+    ParallelTrainer._check_finite(SimpleNamespace(step=2), 1.0, torch.tensor(math.pi))
+    ctx = SimpleNamespace(dims=SimpleNamespace(pp=1, dp=1))
+    tc = TrainConfig(steps=2, batch_size=2, seq_len=16, max_minutes=1.0)
+    with pytest.raises(ValueError, match="--max-minutes is not wired"):
+        ParallelTrainer(get_config("tiny"), tc, fake_data(), ctx)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "k3.json").write_text("{}")  # what a distributed run leaves
+    t = Trainer(get_config("tiny"), TrainConfig(steps=2, batch_size=2, seq_len=16), fake_data(), None, tmp_path)
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        t.fit()
+    with pytest.raises(ValueError, match="distributed \\(DCP\\) checkpoint.*k3 train --resume"):
+        t.fit(resume=True)

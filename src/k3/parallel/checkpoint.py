@@ -132,7 +132,8 @@ def save(root, step: int, model, optimizer, ctx, meta: dict, keep_last: int = 3)
         tmp.rename(final)
         fsync_dir(root)
         atomic_write_text(root / LATEST, name + "\n")
-        steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+        steps = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                       key=lambda p: int(p.name[5:]))  # by number: step_1000000 sorts after step_999999
         for old in steps[:-keep_last] if keep_last > 0 else []:
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)

@@ -138,8 +138,8 @@ def sync_expert_grads(model: nn.Module, scale: float = 1.0) -> None:
             for p in params:
                 buf = p.new_zeros(len(shared), *p.shape[1:])
                 if local:
-                    s_idx = torch.tensor([s for s, _ in local])
-                    r_idx = torch.tensor([r for _, r in local])
+                    s_idx = torch.tensor([s for s, _ in local], device=p.device)
+                    r_idx = torch.tensor([r for _, r in local], device=p.device)
                     buf.index_add_(0, r_idx, p.grad[s_idx])
                 comm.all_reduce(buf, group=m.group, tag="ep_replica_grad")
                 if local:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from k3.parallel.fsdp import apply_fsdp, local_grad_sq
 from k3.parallel.mesh import ParallelContext
 from k3.parallel.pipeline import PipelineStage, prune_to_stage, run_gpipe, stage_shared_params
 from k3.parallel.placement import Placement, contiguous_placement
+from k3.train import checkpoint as ckpt
 from k3.train.optim import build_optimizer
 from k3.train.trainer import TrainConfig, TrainResult, split_batch
 
@@ -79,7 +81,7 @@ def global_grad_norm(model, ctx: ParallelContext) -> torch.Tensor:
         if id(p) not in expert_params and p.requires_grad:
             sq = sq + local_grad_sq(p) / (replicate * (ctx.dims.pp if id(p) in shared else 1))
     for m in expert_modules(model):
-        copies = m.placement.n_replicas()[torch.tensor(m.local)].float() * ctx.dims.edp  # [S]
+        copies = m.placement.n_replicas()[torch.tensor(m.local)].float().to(ctx.device) * ctx.dims.edp  # [S]
         for p in m.parameters():
             if p.grad is not None:
                 sq = sq + (p.grad.float().pow(2).flatten(1).sum(1) / copies).sum()
@@ -155,6 +157,9 @@ class ParallelTrainer:
                              f"use a multiple of {dims.dp}")
         if tc.activation_checkpointing or tc.compile:
             raise ValueError("activation checkpointing and compile are not wired into distributed runs yet")
+        if tc.max_minutes is not None:
+            raise ValueError("--max-minutes is not wired into distributed runs yet (every rank would have to agree on "
+                             "the stop); give --steps")
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.overwrite = overwrite
         self.train_data = train_data
@@ -218,14 +223,16 @@ class ParallelTrainer:
         sync_expert_grads(model, 1.0 / ctx.dims.dp)
         sync_stage_shared_grads(model, ctx)
         norm = global_grad_norm(model, ctx)
+        # the last stage's losses (each mean CE / accum) reach every rank, rank 0 (first stage) included
+        loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=ctx.device)
+        comm.all_reduce(loss_sum, tag="loss")
+        loss = float(loss_sum) / ctx.dims.dp
+        self._check_finite(loss, norm)
         clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
         self.optimizer.step()
         with router_balancing_over(ctx.dp_group):
             model.update_balancing()
-        # the last stage's losses (each mean CE / accum) reach every rank, rank 0 (first stage) included
-        loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=ctx.device)
-        comm.all_reduce(loss_sum, tag="loss")
-        return self._record(float(loss_sum) / ctx.dims.dp, norm, lr_factor, t0)
+        return self._record(loss, norm, lr_factor, t0)
 
     def _data_parallel_step(self) -> dict:
         tc, model, ctx = self.tc, self.model, self.ctx
@@ -244,16 +251,24 @@ class ParallelTrainer:
             self._observe_loads()
         sync_expert_grads(model, 1.0 / ctx.dims.dp)
         norm = global_grad_norm(model, ctx)
+        comm.all_reduce(loss_sum, group=ctx.dp_group, tag="loss")
+        loss = float(loss_sum) / ctx.dims.dp / tc.accum
+        self._check_finite(loss, norm)
         clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
         self.optimizer.step()
         model.update_balancing()
-        comm.all_reduce(loss_sum, group=ctx.dp_group, tag="loss")
-        return self._record(float(loss_sum) / ctx.dims.dp / tc.accum, norm, lr_factor, t0)
+        return self._record(loss, norm, lr_factor, t0)
+
+    def _check_finite(self, loss: float, norm: torch.Tensor) -> None:
+        """Before the update, on every rank alike (loss and norm are global): a non-finite step is never applied
+        and so never saved."""
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {float(norm)}"
+            raise ValueError(f"training diverged: {what} at step {self.step + 1} (not applied, not saved); lower "
+                             "--lr or check the data")
 
     def _record(self, loss: float, norm: torch.Tensor, lr_factor: float, t0: float) -> dict:
         tc, ctx = self.tc, self.ctx
-        if not math.isfinite(loss):
-            raise ValueError(f"training diverged: loss is {loss} at step {self.step + 1}; lower --lr or check the data")
         n_tok = tc.accum * tc.batch_size * tc.seq_len
         self.step += 1
         self.tokens += n_tok
@@ -268,10 +283,11 @@ class ParallelTrainer:
             raise ValueError("ParallelTrainer.save needs an out_dir")
         # every MoE layer of the whole model: this stage fills its rows, the sum over the world adds the dp
         # ranks' token-slots and the other stages' rows
-        loads = torch.zeros(self._n_moe, self.config.n_experts, dtype=torch.float64)
+        loads = torch.zeros(self._n_moe, self.config.n_experts, dtype=torch.float64, device=self.ctx.device)
         for g, acc in zip(self._moe_index, self._loads):
-            loads[g] = acc
+            loads[g] = acc.to(loads.device)
         comm.all_reduce(loads, group=self.ctx.dp_group if self.ctx.dims.pp == 1 else None, tag="expert_loads")
+        loads = loads.cpu()
         for acc in self._loads:
             acc.zero_()
         # placements of every MoE layer, as apply_expert_parallel made them (rank 0 holds only its stage's)
@@ -288,14 +304,20 @@ class ParallelTrainer:
         path = Path(path) if path is not None else self.ckpt_dir
         if path is None:
             raise ValueError("resume needs a checkpoint path or an out_dir")
-        meta = pckpt.load(path, self.model, self.optimizer, self.ctx)
+        if pckpt.latest(path) is None and ckpt.latest_checkpoint(path) is not None:
+            raise ValueError(f"{path} holds a single-process checkpoint, not a distributed one; resume it without "
+                             "--nproc (or start a new distributed run with another --out)")
+        meta = pckpt.read_meta(path)  # checked before any collective load: a mismatch is a clear error, not DCP's
         if meta.get("config") != self.config.to_dict():
-            raise ValueError(f"{meta['path']}: the checkpoint's model config differs from this run's; resume with "
-                             "the same --preset/--set")
+            diff = sorted(k for k in set(meta.get("config") or {}) | set(self.config.to_dict())
+                          if (meta.get("config") or {}).get(k) != self.config.to_dict().get(k))
+            raise ValueError(f"{meta['path']}: the checkpoint's model config differs from this run's in {diff}; "
+                             "resume with the same --preset/--set")
         for k in ("batch_size", "seq_len", "accum", "seed"):
             if meta["train"][k] != getattr(self.tc, k):
                 raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
                                  f"{getattr(self.tc, k)!r} now; resume with the same {k}")
+        meta = pckpt.load(path, self.model, self.optimizer, self.ctx)
         for g, lr in zip(self.optimizer.param_groups, self._peak_lrs):
             g["peak_lr"] = lr
         self.step, self.tokens = int(meta["step"]), int(meta.get("tokens", 0))
@@ -308,9 +330,14 @@ class ParallelTrainer:
         tc = self.tc
         if resume:
             self.resume(None if resume is True else resume)
-        elif self.ckpt_dir is not None and pckpt.latest(self.ckpt_dir) is not None and not self.overwrite:
-            raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
-                             "--overwrite to start over, or another --out")
+        elif self.ckpt_dir is not None and (pckpt.latest(self.ckpt_dir) is not None
+                                            or ckpt.latest_checkpoint(self.ckpt_dir) is not None):
+            if not self.overwrite:
+                raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
+                                 "--overwrite to start over, or another --out")
+            if self.ctx.rank == 0:  # start over: the old steps must not mix with (or be pruned instead of) the new
+                shutil.rmtree(self.ckpt_dir)
+            comm.barrier()
         writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resume else None) \
             if self.out_dir is not None and self.ctx.rank == 0 else None
         result = TrainResult(steps_done=self.step)

@@ -146,6 +146,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _holds_distributed_checkpoint(path) -> bool:
+    from k3.parallel.checkpoint import latest
+
+    return latest(path) is not None
+
+
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """A dataset batch -> (inputs [B, T], targets [B, T]): accepts (x, y), {"input_ids", "labels"} or [B, T+1]."""
     if isinstance(batch, dict):
@@ -392,6 +398,10 @@ class Trainer:
     def resume(self, path: str | os.PathLike | None = None) -> dict:
         """Load model, optimizer, RNG and position from `path` (default: the latest under out_dir)."""
         path = Path(path) if path is not None else self.ckpt_dir
+        if path is not None and ckpt.latest_checkpoint(path) is None and _holds_distributed_checkpoint(path):
+            raise ValueError(f"{path} holds a distributed (DCP) checkpoint, which this Trainer cannot load; continue it "
+                             "with `k3 train --resume` (any --nproc, a world of one included: DCP reshards) or "
+                             "k3.parallel.train.ParallelTrainer")
         if path is None or ckpt.latest_checkpoint(path) is None and not (path / ckpt.MANIFEST).is_file():
             raise ValueError(f"--resume: no checkpoint found in {path}")
         manifest = ckpt.load_checkpoint(path, self.model, self.optimizer, self.config)
@@ -521,7 +531,8 @@ class Trainer:
         tc = self.tc
         if resume:
             self.resume(None if resume is True else resume)
-        elif self.ckpt_dir is not None and ckpt.latest_checkpoint(self.ckpt_dir) is not None:
+        elif self.ckpt_dir is not None and (ckpt.latest_checkpoint(self.ckpt_dir) is not None
+                                            or _holds_distributed_checkpoint(self.ckpt_dir)):
             if not self.overwrite:
                 raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
                                  "--overwrite to start over, or another --out")
