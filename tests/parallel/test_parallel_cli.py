@@ -26,3 +26,16 @@ def test_relaunch_command():
     cmd = torchrun_command(4, argv)
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
     assert cmd[6:] == ["k3.cli", *argv]
+
+
+def test_a_failed_local_job_names_the_rank_that_started_it(tmp_path):
+    """Rank 1 raises while rank 0 waits in a collective and then fails on the closed connection: the report
+    names rank 1's error, not the follow-on one of the lower rank."""
+    import pickle
+
+    from k3.parallel.launch import _first_error
+
+    (tmp_path / "result_0.pkl").write_bytes(pickle.dumps(
+        ("error", "rank 0: RuntimeError: [gloo/transport] Connection closed by peer [127.0.0.1]:1\n...", 0.0)))
+    (tmp_path / "result_1.pkl").write_bytes(pickle.dumps(("error", "rank 1: ValueError: the real cause\n...", 0.0)))
+    assert _first_error(str(tmp_path), 2).startswith("rank 1: ValueError: the real cause")

@@ -88,7 +88,7 @@ def run_local(fn, nproc: int, *args, timeout_s: float = 120.0, collective_timeou
         for r in range(nproc):
             status, value, cpu_s = pickle.loads((Path(d) / f"result_{r}.pkl").read_bytes())
             if status != "ok":
-                raise LocalJobError(value)
+                raise LocalJobError(_first_error(d, nproc) or value)
             results.append(value)
             cpu.append(cpu_s)
         LAST_CPU_S[:] = cpu
@@ -110,7 +110,13 @@ def _describe_failure(ctx, d: str, nproc: int, exc: Exception) -> str:
     return "; ".join(dead + [first]) if dead else first
 
 
+_FOLLOW_ON = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo")
+
+
 def _first_error(d: str, nproc: int) -> str | None:
+    """The error that most likely started it: a rank's own error before a peer's follow-on collective failure
+    ("connection closed by peer"), and among those the one reported first."""
+    errors = []
     for r in range(nproc):
         f = Path(d) / f"result_{r}.pkl"
         if f.is_file():
@@ -119,8 +125,9 @@ def _first_error(d: str, nproc: int) -> str | None:
             except Exception:
                 continue
             if status == "error":
-                return value
-    return None
+                follow_on = any(s in str(value).split("\n", 1)[0].lower() for s in _FOLLOW_ON)
+                errors.append((follow_on, f.stat().st_mtime_ns, r, value))
+    return min(errors)[3] if errors else None
 
 
 def in_torchrun() -> bool:
