@@ -165,3 +165,13 @@ def test_reward_term_is_reinforce_with_a_mean_baseline():
     loss.backward()  # descending it raises the rewarded row's sampled tokens
     assert (logits.grad[0, 1].gather(-1, ids[0, 2:3]) < 0).all()
     assert (logits.grad[1, 1].gather(-1, ids[1, 2:3]) > 0).all()
+
+
+def test_sampled_kl_needs_the_students_own_temperature():
+    """The one-sample reverse-KL gradient is unbiased only for samples from the student at temperature 1."""
+    from k3.distill.mopd import MOPDConfig
+
+    with pytest.raises(ValueError, match="kl = sampled with temperature = 0.5"):
+        MOPDConfig(kl="sampled", temperature=0.5).validate()
+    MOPDConfig(kl="full", temperature=0.5).validate()
+    MOPDConfig(kl="sampled", temperature=1.0).validate()

@@ -96,3 +96,51 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_rl_model, rl_tokenizer
 def test_micro_batch_must_be_a_count():
     with pytest.raises(ValueError, match="micro_batch"):
         GRPOConfig(micro_batch=-1).validate()
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_zero_advantage_episodes_still_count_in_the_normalisation(tiny_rl_model, rl_tokenizer, rl_tasks, agg):
+    """Without a KL term, zero-advantage episodes (a tied group) skip the forward, but the loss is still the mean
+    over every counted episode: the gradient equals that of a run that forwards them all (a KL weight of 1e-12
+    against an identical reference keeps every row in and adds a zero gradient)."""
+    from k3.model.transformer import K3Model
+    from k3.rl.train import GRPOTrainer
+
+    state = {k: v.clone() for k, v in tiny_rl_model.state_dict().items()}
+
+    def fresh():
+        m = K3Model(tiny_rl_model.config)
+        m.load_state_dict(state)
+        return m
+
+    def reward(task, seed, texts):  # one group tied at 1 whatever it samples, the other decided by its samples
+        return 1.0 if seed % 2 else float(len(texts[0]) % 2 == 0)
+
+    grads, rows = [], []
+    for beta in (0.0, 1e-12):
+        model, ref = fresh(), fresh().eval().requires_grad_(False)
+        g = GRPOConfig(groups_per_step=4, group_size=3, max_tokens=6, beta=beta, agg=agg)
+        trainer = GRPOTrainer(model, rl_tokenizer, rl_tasks["train"], g, seed=3, ref_model=ref,
+                              episode_fn=fake_episode(reward))
+        assert trainer.step_fn(0)["backward_done"]
+        rows.append(len(trainer._batch["rows"]))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert rows[0] < rows[1]  # some episodes really were left out of the forward
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_log_probs_are_those_of_the_sampling_temperature(tiny_rl_model, rl_tokenizer, rl_tasks):
+    """Rollouts sampled at temperature T: the ratio's log-probs are of softmax(logits / T), not of T = 1."""
+    from k3.rl.grpo import token_logprobs
+    from k3.rl.train import GRPOTrainer
+
+    g = GRPOConfig(groups_per_step=2, group_size=3, max_tokens=6, temperature=2.0)
+    trainer = GRPOTrainer(tiny_rl_model, rl_tokenizer, rl_tasks["train"], g, seed=3,
+                          episode_fn=fake_episode(_parity_reward))
+    trainer.step_fn(0)
+    tiny_rl_model.zero_grad(set_to_none=True)
+    c = trainer._batch["chunks"][0]
+    with torch.no_grad():
+        want = token_logprobs(tiny_rl_model(c["ids"]) / 2.0, c["ids"])
+    torch.testing.assert_close(c["old_logp"], want)

@@ -252,7 +252,7 @@ class K3EnginePolicy(Policy):
         except ValueError as e:  # a message the chat template cannot render
             self.failure = f"{type(e).__name__}: {e}"
             raise PolicyError(f"cannot render the transcript: {e}") from None
-        if len(prompt) + self.max_tokens > self.max_context:
+        if len(prompt) + self.max_tokens >= self.max_context:  # the reply's closing <|end|> needs one more
             self.context_exceeded = True
             self.failure = "context"
             raise ContextExceeded(f"the conversation has {len(prompt)} tokens; with max_tokens = {self.max_tokens} "

@@ -8,7 +8,7 @@ teacher of the prompt's cell with the reverse KL at that position:
            of the student's own sequence: on-policy generalized knowledge distillation with the reverse KL
            (GKD, Agarwal et al., arXiv 2306.13649; reverse KL for LMs: MiniLLM, Gu et al., arXiv 2306.08543).
   sampled  the one-sample estimator: the sampled token's log-ratio as a per-token reward,
-           A_t = sg(log p_t(x_t) - log p_s(x_t)), loss = -A_t log p_s(x_t), with no discounting: Thinking
+           A_t = sg(log p_t(x_t) - log p_s(x_t)), loss = -A_t log p_s(x_t), per-token reward only (discount 0): Thinking
            Machines' "On-policy distillation" (Lu et al., 2025) and MiMo-V2-Flash's MOPD (arXiv 2601.02780),
            whose per-token advantage is sg[log pi_T - log pi_S] with the teacher chosen per domain.
 
@@ -249,6 +249,10 @@ class MOPDConfig:
             parse_cell(cell_name(*c))
         if not self.temperature > 0:
             raise ValueError(f"temperature = {self.temperature} must be > 0 for on-policy sampling")
+        if self.kl == "sampled" and self.mode == "on-policy" and self.temperature != 1.0:
+            raise ValueError(f"kl = sampled with temperature = {self.temperature}: the sampled reverse-KL gradient is "
+                             "unbiased only for samples from the student itself (temperature 1); use temperature 1 "
+                             "or kl = full")
         if self.reward_coef < 0:
             raise ValueError(f"reward_coef = {self.reward_coef} must be >= 0")
         if self.reward_coef > 0 and self.mode != "on-policy":

@@ -238,10 +238,12 @@ class GRPOTrainer:
         dropped_groups = sum(len(v) < 2 for v in by_group.values()) + \
             len({t.group for t in trajs}) - len(by_group)
         adv = group_advantages([t.reward for t in kept], [t.group for t in kept], self.cfg.scale_rewards)
-        # with no KL term a zero-advantage episode contributes nothing; leave it out of the forward
-        rows = [(t, a) for t, a in zip(kept, adv) if a != 0.0 or self.cfg.beta > 0]
-        rows = [(t, a) for t, a in rows if t.n_sampled > 0]
-        batch = {"step": step, "trajs": trajs, "rows": rows, "rollout_s": rollout_s, "dropped_groups": dropped_groups}
+        counted = [(t, a) for t, a in zip(kept, adv) if t.n_sampled > 0]
+        # the loss is normalised over every counted episode (its tokens, or its count), as the objective says;
+        # with no KL term a zero-advantage episode adds nothing above that line, so it skips the forward
+        rows = [(t, a) for t, a in counted if abs(a) > 1e-6 or self.cfg.beta > 0]
+        batch = {"step": step, "trajs": trajs, "rows": rows, "rollout_s": rollout_s, "dropped_groups": dropped_groups,
+                 "norm_tokens": sum(t.n_sampled for t, _ in counted), "norm_seqs": len(counted)}
         m = self.cfg.micro_batch or max(len(rows), 1)
         batch["chunks"] = []
         for i in range(0, len(rows), m):
@@ -258,16 +260,16 @@ class GRPOTrainer:
         episodes, each chunk's loss weighted by its share (of sampled tokens, or of sequences), so the
         accumulated gradient is that of the whole batch in one pass."""
         model, cfg = self.model, self.cfg
-        n_tok = sum(c["tokens"] for c in b["chunks"])
-        n_seq = sum(c["seqs"] for c in b["chunks"])
+        n_tok, n_seq = b["norm_tokens"], b["norm_seqs"]  # over every counted episode, forwarded or not
         total, tokens, sums = 0.0, 0, {}
         for c in b["chunks"]:
-            logp = token_logprobs(model(c["ids"]), c["ids"])
+            # the log-probs of the distribution that sampled: logits / temperature (as verl and TRL do)
+            logp = token_logprobs(model(c["ids"]) / cfg.temperature, c["ids"])
             if c["old_logp"] is None:
                 c["old_logp"] = logp.detach()  # the policy that sampled = the weights at the batch's first step
             if cfg.beta > 0 and c["ref_logp"] is None:
                 with torch.no_grad():
-                    c["ref_logp"] = token_logprobs(self.ref_model(c["ids"]), c["ids"])
+                    c["ref_logp"] = token_logprobs(self.ref_model(c["ids"]) / cfg.temperature, c["ids"])
             loss, st = grpo_loss(logp, c["old_logp"], c["adv"], c["mask"], eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                                  ref_logp=c["ref_logp"], beta=cfg.beta, agg=cfg.agg)
             w = c["tokens"] / n_tok if cfg.agg == "token" else c["seqs"] / n_seq
