@@ -147,6 +147,15 @@ HEADLINES = {
         ("settings.harsh_head.recovery_low", "same, QAT gap moved up by 2 SE", ""),
         ("settings.harsh_head.verdict", "same: the pre-registered rule", "met"),
     ],
+    "qat-gptq-mini-seeds26-33": [
+        ("settings.harsh_head.ptq_degradation", "mini, pre-registered seeds 26-33, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.ptq_degradation", "same: PTQ with GPTQ rounding (40 batches) - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.qat_gap", "same: QAT (last 40 of 200 steps), then GPTQ - fp32 (nats)", ""),
+        ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: QAT then GPTQ, recovery against round-to-nearest PTQ", ">= 0.8"),
+        ("settings.harsh_head.gptq.recovery_vs_gptq_ptq", "same: recovery against GPTQ PTQ", "> 0"),
+        ("settings.harsh_head.gptq.verdict_vs_rtn_ptq", "same: the pre-registered rule's first condition", "met"),
+        ("settings.harsh_head.recovery", "same runs, plain QAT (round-to-nearest) recovery (secondary)", ">= 0.8"),
+    ],
     "qat-kd0.5-harsh_head": [
         ("settings.harsh_head.kd_control_gain", "distillation alone (W=0.5) val loss - fp32, no quantization (nats)", ""),
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
