@@ -69,15 +69,22 @@ def _train(rank, world, ep, fsdp, out, resume=None, ckpt_every=10, die_in_save_o
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference_trainer():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny ops: extra threads only spin, and the ranks need the cores
     torch.set_default_dtype(torch.float64)
     try:
-        return Trainer(get_config("tiny"), TrainConfig(**TC), Tokens(), None).fit().losses
+        trainer = Trainer(get_config("tiny"), TrainConfig(**TC), Tokens(), None)
+        trainer.losses = trainer.fit().losses
+        return trainer
     finally:
         torch.set_default_dtype(torch.float32)
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_trainer):
+    return reference_trainer.losses
 
 
 def _close(a, b):
@@ -87,7 +94,7 @@ def _close(a, b):
     return diff
 
 
-def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference, tmp_path):
+def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference, reference_trainer, tmp_path):
     # 2 ranks: FSDP2 over both for the non-expert weights, experts split 4 + 4 (EP = 2)
     a = run_local(_train, 2, 2, 2, str(tmp_path / "a"), timeout_s=240)
     _close(a[0], reference)
@@ -112,3 +119,19 @@ def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference
     cfg = get_config("tiny")
     # observed over steps 13..20: every token-slot of every MoE layer counted once over the world
     assert [sum(layer) for layer in loads] == [8 * 4 * 16 * cfg.n_active_experts] * (cfg.n_layers - cfg.n_dense_layers)
+
+    # the same checkpoint (4 ranks, replicated experts) read whole into one process, as k3 eval / sample / export
+    # read it, holds the single-process run's weights
+    from k3.train.trainer import load_trained_model
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, manifest = load_trained_model(tmp_path / "c" / "checkpoint")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert manifest["step"] == 20 and manifest["extra"]["tokens"] == 20 * 4 * 16
+    want = reference_trainer.model.state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want)
+    diff = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert diff <= 1e-6, diff

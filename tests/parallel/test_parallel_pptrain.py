@@ -139,3 +139,18 @@ def test_cli_trains_two_stages(tmp_path, monkeypatch, capfd):
     assert [r["step"] for r in logged] == [1, 2] and all(r["loss"] > 0 for r in logged)
     meta = json.loads((out / "checkpoint" / "step_000002" / "k3.json").read_text())
     assert meta["dims"]["pp"] == 2
+    assert meta["data"]["data_dir"] == str(data.resolve()) and meta["data"]["train_tokens"] > 0
+
+    # k3 eval reads the distributed checkpoint as it is, in one process
+    assert main(["eval", "--ckpt", str(out / "checkpoint"), "--max-batches", "1", "--seq-len", "16", "--json"]) == 0
+    report = json.loads(capfd.readouterr().out)
+    assert report["step"] == 2 and 0 < report["val_loss"] < 10
+
+    # a resume (here in a world of one) on other data is refused before anything is loaded
+    other = tmp_path / "other"
+    prepare_data(other, vocab_size=512, max_bytes=40_000)
+    resume = ["train", "--preset", "tiny", "--data", str(other), "--out", str(out), "--resume", "--steps", "3",
+              "--batch-size", "2", "--seq-len", "16", "--accum", "2", "-q"]
+    assert main(resume) == 2
+    err = capfd.readouterr().err
+    assert "the checkpoint was trained on data with" in err and f"--data {data.resolve()}" in err, err

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ FORMAT = "k3-dcp/2"
 FORMATS = ("k3-dcp/1", FORMAT)  # /1: optimizer state nested by parameter group (pp = 1 only)
 META, LATEST = "k3.json", "latest"
 
-__all__ = ["save", "load", "latest", "read_meta"]
+__all__ = ["save", "load", "latest", "read_meta", "load_model_weights", "as_manifest"]
 
 
 def _expert_fqns(model) -> dict[str, tuple[ExpertParallel, str]]:
@@ -186,3 +187,37 @@ def load(path, model, optimizer, ctx) -> dict:
 def full_from(full: torch.Tensor, m: ExpertParallel) -> torch.Tensor:
     """Local slots [S, ...] of a logical [E, ...] expert tensor."""
     return full[torch.tensor(m.local)]
+
+
+def load_model_weights(path, model) -> dict:
+    """Load the model weights of a distributed checkpoint into a plain, single-process `model` (no process
+    group: DCP reads every shard itself). The stored tensors are logical (whole FSDP parameters, experts as
+    [E, ...]), named as in the unwrapped model, so K3Model(meta["config"]) takes them directly. Returns the
+    checkpoint's metadata (k3.json plus `path`)."""
+    meta = read_meta(path)
+    own = model.state_dict()
+    stored = {k.removeprefix("model."): v for k, v in
+              dcp.FileSystemReader(meta["path"]).read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+    missing, unexpected = sorted(set(own) - set(stored)), sorted(set(stored) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{meta['path']}: the distributed checkpoint does not match the model: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}; build the model from its k3.json config")
+    for k, t in own.items():
+        size = tuple(getattr(stored[k], "size", ()))
+        if size != tuple(t.shape):
+            raise ValueError(f"{meta['path']}: tensor {k!r} has shape {size}, the model expects {tuple(t.shape)}")
+    target = {k: t.detach().clone() for k, t in own.items()}
+    with warnings.catch_warnings():  # torch warns that it loads in one process, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": target}, checkpoint_id=meta["path"], no_dist=True)
+    model.load_state_dict(target, strict=True)
+    return meta
+
+
+def as_manifest(meta: dict) -> dict:
+    """A distributed checkpoint's metadata in the shape of a single-process manifest (what `k3 eval`, `k3 sample`
+    and the exporters read: path, step, config, data, extra.tokens)."""
+    return {"format": meta["format"], "step": int(meta["step"]), "config": meta["config"],
+            "data": meta.get("data") or {}, "extra": {"tokens": meta.get("tokens", 0), "train": meta.get("train")},
+            "path": meta["path"], "distributed": {"dims": meta.get("dims")}}
+

@@ -83,7 +83,7 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
     from k3.model.cli import config_from_args
     from k3.parallel.mesh import build_context, init_distributed
     from k3.parallel.train import ParallelTrainer
-    from k3.train.cli import Progress, _train_config, _with_qat, load_data_dir, set_threads
+    from k3.train.cli import Progress, _data_info, _train_config, _with_qat, load_data_dir, set_threads
 
     dims = _dims(world, args)
     config = _with_qat(config_from_args(args), args)
@@ -116,7 +116,7 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
                                  "without --ep-redundant and use the next checkpoint")
             placements = placements_from_loads(meta["expert_loads"], dims.ep, args.ep_redundant)
         trainer = ParallelTrainer(config, tc, files.train, ctx, out_dir=args.out, overwrite=args.overwrite,
-                                  placements=placements)
+                                  placements=placements, data_info=_data_info(files))
         progress = Progress(trainer, desc=f"train {config.name} x{world}", enabled=ctx.rank == 0 and not args.quiet)
         try:
             result = trainer.fit(resume=args.resume, on_step=progress.on_step)
@@ -126,7 +126,8 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
             last = result.losses[-1] if result.losses else float("nan")
             print(f"trained {result.steps_done} steps ({result.tokens:,} tokens) on {world} ranks "
                   f"({dims.describe()}) in {result.elapsed_s / 60:.1f} min; last train loss {last:.4f}")
-            print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count)")
+            print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count; "
+                  "k3 eval / sample / export read it as it is)")
     finally:
         dist.destroy_process_group()
     return 0

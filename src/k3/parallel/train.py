@@ -40,7 +40,7 @@ from k3.parallel.pipeline import PipelineStage, prune_to_stage, run_gpipe, stage
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
 from k3.train.optim import build_optimizer
-from k3.train.trainer import TrainConfig, TrainResult, split_batch
+from k3.train.trainer import DATA_FIELDS, TrainConfig, TrainResult, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,12 @@ class ParallelTrainer:
     `placements`: {MoE layer index over the whole model: Placement}."""
 
     def __init__(self, config: K3Config, tc: TrainConfig, train_data, ctx: ParallelContext,
-                 out_dir=None, placements: dict[int, Placement] | None = None, overwrite: bool = False):
+                 out_dir=None, placements: dict[int, Placement] | None = None, overwrite: bool = False,
+                 data_info: dict | None = None):
         from k3.model.transformer import K3Model
 
         self.config, self.tc, self.ctx = config.validate(), tc.validate(), ctx
+        self.data_info = dict(data_info or {})  # stored as the checkpoint's `data`; a resume must match it
         dims = ctx.dims
         if dims.pp > config.n_layers:
             raise ValueError(f"pp = {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
@@ -297,7 +299,7 @@ class ParallelTrainer:
                 "expert_loads": loads.tolist(),
                 "dims": {"world": self.ctx.dims.world, "ep": self.ctx.dims.ep, "fsdp": self.ctx.dims.fsdp_size,
                          "pp": self.ctx.dims.pp},
-                "placements": [p.to_dict() for p in placements]}
+                "placements": [p.to_dict() for p in placements], "data": self.data_info}
         return pckpt.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.ctx, meta, self.tc.keep_last)
 
     def resume(self, path=None) -> dict:
@@ -317,6 +319,12 @@ class ParallelTrainer:
             if meta["train"][k] != getattr(self.tc, k):
                 raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
                                  f"{getattr(self.tc, k)!r} now; resume with the same {k}")
+        data = meta.get("data") or {}
+        for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
+            if k in data and k in self.data_info and data[k] != self.data_info[k]:
+                raise ValueError(f"{meta['path']}: the checkpoint was trained on data with {k} {data[k]!r}, this "
+                                 f"run's data has {self.data_info[k]!r}; resume with --data "
+                                 f"{data.get('data_dir', 'DIR')} (the data it was trained on), or start a new run")
         meta = pckpt.load(path, self.model, self.optimizer, self.ctx)
         for g, lr in zip(self.optimizer.param_groups, self._peak_lrs):
             g["peak_lr"] = lr

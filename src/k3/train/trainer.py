@@ -620,13 +620,25 @@ def train(config: K3Config, train_data, val_data=None, out_dir: str | os.PathLik
 
 
 def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
-    """(K3Model, manifest) from a checkpoint directory or a root holding `latest`; config from the manifest."""
+    """(K3Model, manifest) from a checkpoint directory or a root holding `latest`; config from the manifest.
+
+    Distributed (DCP) checkpoints of `k3 train --nproc N` load too, whole, into one process."""
     from k3.model.transformer import K3Model
 
     path = Path(path)
+    if not (path / ckpt.MANIFEST).is_file() and _holds_distributed_checkpoint(path):  # from `k3 train --nproc N`
+        from k3.parallel import checkpoint as pckpt
+
+        model = K3Model(K3Config.from_dict(pckpt.read_meta(path)["config"]))
+        meta = pckpt.load_model_weights(path, model)
+        return model.to(device).eval(), pckpt.as_manifest(meta)
     found = path if (path / ckpt.MANIFEST).is_file() else ckpt.latest_checkpoint(path)
     if found is None:
-        raise ValueError(f"no checkpoint at {path}; train one with `k3 train --out DIR` (it writes DIR/checkpoint)")
+        inner = path / "checkpoint"
+        hint = (f"; {inner} holds one: pass that" if _holds_distributed_checkpoint(inner)
+                or ckpt.latest_checkpoint(inner) else "")
+        raise ValueError(f"no checkpoint at {path}; train one with `k3 train --out DIR` (it writes DIR/checkpoint)"
+                         + hint)
     manifest = ckpt.read_manifest(found, verify=False)
     if "mx_export" in manifest.get("extra", {}):  # written by `k3 export --format mx`: packed routed experts
         from k3.quant.export import load_packed
