@@ -5,7 +5,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from k3.agentenv.actions import Action
-from k3.agentenv.dialects import make_dialect, make_variant
+from k3.agentenv.dialects import make_dialect, make_variant, parse_patch
 from k3.agentenv.policies import (CallablePolicy, EpisodeInfo, OpenAIChatPolicy, PolicyError, TextPolicy,
                                   make_policy)
 from k3.agentenv.rollout import EpisodeConfig, run_episode
@@ -77,6 +77,28 @@ def test_native_tool_calls_are_rendered_into_the_dialect():
         p = OpenAIChatPolicy(srv.url, "m")
         p.begin_episode(EpisodeInfo("t", "files", 0, d))
         assert d.parse(p.act([{"role": "user", "content": "x"}])) == [Action("run", {"command": "ls", "timeout": 2.0})]
+    finally:
+        srv.close()
+
+
+def test_native_patch_calls_and_object_arguments_are_rendered_into_the_dialect():
+    # a server that parses tool calls itself may send apply_patch natively, and its arguments as an object
+    d = make_dialect(make_variant("codex"))
+    patch = ("*** Begin Patch\n*** Add File: a.txt\n+hello\n*** Update File: b.py\n@@\n-x = 1\n+x = 2\n"
+             "*** Delete File: c.txt\n*** End Patch")
+    name, arg = d.tool_name("patch"), d.arg_name("patch", "input")
+    replies = [msg(None, [{"function": {"name": name, "arguments": json.dumps({arg: patch})}}]),
+               msg(None, [{"function": {"name": name, "arguments": {arg: patch}}}]),
+               msg(None, [{"function": {"name": name, "arguments": "{not json"}}])]
+    srv = FakeServer(replies)
+    try:
+        p = OpenAIChatPolicy(srv.url, "m")
+        p.begin_episode(EpisodeInfo("t", "files", 0, d))
+        want = parse_patch(patch)
+        assert [a.tool for a in want] == ["write", "edit", "run"]
+        assert d.parse(p.act([{"role": "user", "content": "x"}])) == want
+        assert d.parse(p.act([{"role": "user", "content": "x"}])) == want
+        assert "malformed tool call 'apply_patch'" in p.act([{"role": "user", "content": "x"}])
     finally:
         srv.close()
 

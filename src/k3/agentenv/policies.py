@@ -148,16 +148,22 @@ class OpenAIChatPolicy(Policy):
         if calls and self._dialect is not None:
             rendered = []
             for c in calls:
-                fn = c.get("function", {})
-                try:
-                    args = json.loads(fn.get("arguments") or "{}")
-                except json.JSONDecodeError:
-                    args = {}
-                tool = self._dialect.by_name.get(fn.get("name"))
-                if tool is None or tool == "patch":
-                    rendered.append(f"[tool call {fn.get('name')!r} with {fn.get('arguments')!r}]")
+                fn = c.get("function") if isinstance(c, dict) else None
+                fn = fn if isinstance(fn, dict) else {}
+                raw = fn.get("arguments")
+                if isinstance(raw, dict):  # some servers send the arguments as an object, not a JSON string
+                    args = raw
+                else:
+                    try:
+                        args = json.loads(raw or "{}") if isinstance(raw, str) else None
+                    except json.JSONDecodeError:
+                        args = None
+                if self._dialect.by_name.get(fn.get("name")) is None:
+                    rendered.append(f"[tool call {fn.get('name')!r} with {raw!r}]")
                     continue
                 try:
+                    # decoded to actions and rendered back: a patch tool's call comes back as the dialect's
+                    # patch call(s) for the same files
                     actions = self._dialect._decode_call(fn.get("name"), args)
                     rendered.append(self._dialect.render_calls(actions))
                 except ValueError as e:
