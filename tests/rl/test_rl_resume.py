@@ -98,6 +98,12 @@ def test_micro_batch_must_be_a_count():
         GRPOConfig(micro_batch=-1).validate()
 
 
+def test_nucleus_sampling_is_refused_because_it_would_be_off_policy():
+    with pytest.raises(ValueError, match="top_p = 0.9.*off-policy"):
+        GRPOConfig(top_p=0.9).validate()
+    GRPOConfig(top_p=1.0).validate()
+
+
 @pytest.mark.parametrize("agg", ["token", "sequence"])
 def test_zero_advantage_episodes_still_count_in_the_normalisation(tiny_rl_model, rl_tokenizer, rl_tasks, agg):
     """Without a KL term, zero-advantage episodes (a tied group) skip the forward, but the loss is still the mean

@@ -183,6 +183,10 @@ class GRPOConfig:
                              "per task")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature = {self.temperature} must be > 0: GRPO learns from sampled rollouts")
+        if self.top_p != 1.0:
+            raise ValueError(f"top_p = {self.top_p}: GRPO's ratios and KL use log-probs of the whole distribution "
+                             "(at the sampling temperature), so nucleus-truncated rollouts would be off-policy; "
+                             "use top_p = 1 and control the spread with temperature")
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg = {self.agg!r} must be one of {AGGREGATIONS}")
         if self.harness not in ("swap", "canonical", "fixed"):
