@@ -145,6 +145,13 @@ def test_cache_holds_only_the_latent():
     assert cache.nbytes() == B * T * m.kv_lora_rank * 4
     torch.testing.assert_close(cache.latent, m.kv_norm(m.wkv_a(x)))
 
+    # rows of different lengths merged into one batch: the padding mask is held too, and counted
+    short = MLACache()
+    m(x[:1, :4], short)
+    merged = MLACache.merge([cache, short])
+    assert merged.key_mask is not None and merged.key_mask.shape == (B + 1, T)
+    assert merged.nbytes() == (B + 1) * T * m.kv_lora_rank * 4 + (B + 1) * T * 1
+
 
 def test_gate_scales_output():
     m = make()

@@ -67,7 +67,8 @@ class MLACache:
         return self.latent
 
     def nbytes(self) -> int:
-        return 0 if self.latent is None else self.latent.numel() * self.latent.element_size()
+        """Bytes held: the latent, and the key mask when rows are padded."""
+        return sum(t.numel() * t.element_size() for t in (self.latent, self.key_mask) if t is not None)
 
     def row_lengths(self) -> torch.Tensor:
         """[B] real keys per row (on the CPU)."""
