@@ -395,3 +395,18 @@ def test_generate_takes_more_prompts_than_the_engine_holds(tiny_model):
     with pytest.raises(ValueError, match="empty"):  # a bad prompt after good ones: nothing is queued
         eng.generate([[5, 6], []], SamplingParams(max_tokens=2))
     assert not eng.has_work()
+
+
+def test_a_request_between_prefill_and_batch_still_counts_as_in_flight(tiny_model):
+    # the first token is sampled (and streamed) before the request joins the running batch; a submit from
+    # another thread at that moment must still see it, or the engine admits past max_batch + max_queue
+    eng = Engine(tiny_model, max_batch=2, max_queue=0, eos_id=NO_EOS)
+    seen = []
+    reqs = [eng.submit(p, SamplingParams(max_tokens=3, temperature=0), on_event=lambda ev: seen.append(eng.in_flight))
+            for p in _prompts([3, 5])]
+    with pytest.raises(EngineFull):
+        eng.submit([30], SamplingParams(max_tokens=1))
+    while eng.has_work():
+        eng.step()
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert len(seen) == 6 and seen[:4] == [2, 2, 2, 2], seen  # both count at every token until the last step

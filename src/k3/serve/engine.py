@@ -160,7 +160,7 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.joining) + len(self.running)
 
     def has_work(self) -> bool:
         return self.in_flight > 0
@@ -269,9 +269,8 @@ class Engine:
                 r.cache.seen_tokens = r.prefilled
             for j, i in enumerate(last):
                 ready.append((rs[i], logits[j]))
-        joining = []
+        joining = self.joining = []  # counted in in_flight while it fills: a request is never in no list
         for r, logits in ready:
-            self.prefilling.remove(r)
             try:
                 if r.params.penalised:
                     r.counts = torch.bincount(torch.tensor(r.prompt_ids),
@@ -283,12 +282,14 @@ class Engine:
                     r.generator.seed()
                 finished = self._accept(r, sample_row(logits, r.params, r.counts, r.generator))
             except Exception as e:  # noqa: BLE001 - this request's own failure ends it alone
+                self.prefilling.remove(r)
                 self._fail(r, e, done)
                 continue
             if finished:
                 done.append(r)
             else:
                 joining.append(r)
+            self.prefilling.remove(r)
         return joining
 
     def _fail(self, r: Request, e: Exception, done: list[Request]) -> None:
