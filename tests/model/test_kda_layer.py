@@ -100,6 +100,11 @@ def test_bad_inputs_name_the_expected_shape(layer):
             layer(bad)
     with pytest.raises(ValueError, match=r"\[B, T, 32\]"):
         layer(torch.randn(1, 4, 32, dtype=torch.float64))
+    for bad in (torch.randn(1, 0, 32), torch.randn(0, 4, 32), [[0.0] * 32]):  # empty, or not a tensor
+        with pytest.raises(ValueError, match=r"\[B, T, 32\] with B, T >= 1"):
+            layer(bad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast the matmuls cast for themselves
+        assert layer(torch.randn(1, 20, 32).bfloat16()).shape == (1, 20, 32)
     cache = KDACache()
     layer(torch.randn(2, 4, 32), cache=cache)
     with pytest.raises(ValueError, match="fresh KDACache"):

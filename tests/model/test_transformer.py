@@ -82,6 +82,17 @@ def test_generate_greedy_is_deterministic_and_matches_argmax():
     with torch.no_grad():
         nxt = m(out[:, :-1])[:, -1].argmax(-1)
     assert nxt.item() == out[0, -1].item()
+    # one forward per new token but the last: the prefill samples the first, each decode step the next
+    calls = []
+    hook = m.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        m.generate(ids, max_new_tokens=3)
+    finally:
+        hook.remove()
+    assert calls == [(1, 6), (1, 1), (1, 1)]
+    # so a prompt may fill the context up to the last generated token
+    short = m.generate(torch.zeros(1, m.config.max_context - 2, dtype=torch.long), max_new_tokens=2)
+    assert short.shape == (1, m.config.max_context)
 
 
 def test_bad_inputs():
@@ -90,6 +101,11 @@ def test_bad_inputs():
         m(torch.zeros(2, 3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="integer tensor"):
         m(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="integer tensor"):
+        m([[1, 2]])
+    for empty in ((1, 0), (0, 3)):
+        with pytest.raises(ValueError, match="at least one sequence of at least one token"):
+            m(torch.zeros(*empty, dtype=torch.long))
     V = m.config.vocab_size
     for bad in (V, -1):
         with pytest.raises(ValueError, match=rf"token id {bad}, outside the vocabulary \[0, {V}\)"):

@@ -89,7 +89,7 @@ def test_chunk_matches_fla_naive_chunk():
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
 
 
-@pytest.mark.parametrize("chunk_size,sub", [(16, None), (24, None), (64, 4), (64, 64), (32, 8)])
+@pytest.mark.parametrize("chunk_size,sub", [(16, None), (24, None), (64, 4), (64, 64), (32, 8), (5, None), (9, None)])
 def test_chunk_sizes_agree(chunk_size, sub):
     """Every chunk / sub-chunk split (incl. one sub-chunk = the whole chunk) computes the same thing."""
     q, k, v, g, beta, h0 = make_inputs(T=77, decay="strong")
@@ -243,3 +243,33 @@ def test_bad_shapes_name_the_expected_shape():
         args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0) | change
         with pytest.raises(ValueError, match=msg):
             kda(**args)
+
+
+@pytest.mark.parametrize("name", list(OURS))
+def test_an_empty_sequence_passes_the_state_through(name):
+    q, k, v, g, beta, h0 = make_inputs(T=64)
+    q, k, v, g, beta = (x[:, :0] for x in (q, k, v, g, beta))
+    o, s = OURS[name](q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (2, 0, 2, 24) and torch.equal(s, h0)
+    o, s = OURS[name](q, k, v, g, beta, output_final_state=True)
+    assert torch.equal(s, torch.zeros_like(h0))
+
+
+@pytest.mark.parametrize("name", list(OURS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_kernels_keep_their_precision_under_autocast(name, grad):
+    """Under bf16 autocast the kernels still compute in fp32 and return an fp32 state (the cache's promise);
+    without the guard the chunk form crashed without grad and ran its recurrence in bf16 with it."""
+    inputs = make_inputs(T=100)
+    o_ref, s_ref = naive_recurrent_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    q, k, v, g, beta, h0 = (x.clone().requires_grad_(grad) for x in inputs)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s = OURS[name](q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
+def test_chunk_form_runs_on_the_meta_device():
+    q, k, v, g, beta, h0 = (x.to("meta") for x in make_inputs(T=100))
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.is_meta and o.shape == (2, 100, 2, 24) and s.shape == (2, 2, 16, 24)

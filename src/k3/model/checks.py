@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops.amp import autocast_on, no_autocast  # noqa: F401 - the layers import them from here
+
 
 def check_dtype(who: str, x: torch.Tensor, want: str, like: torch.Tensor | None = None) -> None:
     """x must be a float tensor and, when `like` (a weight) is given, in like's dtype unless autocast is on
     for x's device (then the layer's matmuls cast for themselves). `want` describes the expected shape."""
     if not x.is_floating_point():
         raise ValueError(f"{who} expects a float tensor x of shape {want}, got dtype {x.dtype}; cast it with .float()")
-    if like is not None and x.dtype != like.dtype and not torch.is_autocast_enabled(x.device.type):
+    if like is not None and x.dtype != like.dtype and not autocast_on(x.device.type):
         raise ValueError(f"{who} expects x of shape {want} in the layer's dtype {like.dtype}, got {x.dtype}; "
                          "cast x or the layer (e.g. layer.to(x.dtype)), or run under torch.autocast")

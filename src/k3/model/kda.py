@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.model.cache import KDACache
+from k3.model.checks import check_dtype
 from k3.ops.kda import kda
 
 
@@ -73,11 +74,11 @@ class KimiDeltaAttention(nn.Module):
         """x: [B, T, d_model] -> y: [B, T, d_model]. With a cache slot, continues from (and refills) its
         conv_state and recurrent state, so prefill-then-decode equals one full forward."""
         d = self.config.d_model
-        if x.dim() != 3 or x.shape[-1] != d:
-            raise ValueError(f"KimiDeltaAttention expects x of shape [B, T, d_model] = [B, T, {d}], got {tuple(x.shape)}")
-        if x.dtype != self.q_proj.weight.dtype:
-            raise ValueError(f"x is {x.dtype} but the layer is {self.q_proj.weight.dtype}; x must be [B, T, {d}] "
-                             f"in the layer's dtype (cast one of them)")
+        want = f"[B, T, d_model] = [B, T, {d}] with B, T >= 1"
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d or 0 in x.shape[:2]:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"KimiDeltaAttention expects x of shape {want}, got {shape}")
+        check_dtype("KimiDeltaAttention", x, want, like=self.q_proj.weight)
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype
+from k3.model.checks import check_dtype, no_autocast
 from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")
@@ -85,9 +85,7 @@ class Router(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> sigmoid affinities [..., E] in fp32 (the top-k decision compares close values), also
         under autocast, which would otherwise run the fp32 matmul in bf16 again."""
-        off = torch.autocast(x.device.type, enabled=False) if torch.is_autocast_enabled(x.device.type) \
-            else contextlib.nullcontext()
-        with off:
+        with no_autocast(x.device.type):
             return torch.sigmoid(F.linear(x.float(), self.weight.float()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,8 +70,14 @@ class K3Model(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, d_model]."""
-        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
+                or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) \
+                else type(input_ids).__name__
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got {got}")
+        if 0 in input_ids.shape:
+            raise ValueError(f"input_ids is {tuple(input_ids.shape)}: need at least one sequence of at least one "
+                             "token, [B, T] with B, T >= 1")
         self._check_ids(input_ids)
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
@@ -117,10 +123,11 @@ class K3Model(nn.Module):
         cache = self.new_cache()
         logits = self(input_ids, cache)[:, -1]
         out = [input_ids]
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             nxt = sample_next(logits, temperature, top_p, generator)
             out.append(nxt)
-            logits = self(nxt, cache)[:, -1]
+            if i + 1 < max_new_tokens:  # the last token needs no forward of its own
+                logits = self(nxt, cache)[:, -1]
         return torch.cat(out, dim=1)
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.amp import without_autocast
+
 
 CPU_CHUNK_BLOCK = 8  # chunks per block on CPU (benchmarks/kda.py shape: 2 and 4 slower, 16 the same)
 
@@ -48,6 +50,8 @@ def _auto_sub_chunk_size(g: torch.Tensor, C: int, max_exponent: float) -> int:
     fallback at c = 16 would cost several times the whole kernel. Only a speed choice: the kernel checks
     every sub-chunk itself and stays exact whatever this returns."""
     cands = _sub_chunk_candidates(C)
+    if len(cands) == 1 or g.is_meta:  # nothing to choose (an odd chunk size), or no values to choose from
+        return cands[0]
     B, T, H, K = g.shape
     Tp = -(-T // C) * C                                                       # padded with g = 0, as the kernel
     x = g.detach()
@@ -122,7 +126,7 @@ def _chunk_range(kq: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta: torch
     between = between.to(dtype).clamp_max(max_exponent).masked_fill(later[:, :, None], float("-inf")).exp()
     cols = (between.unsqueeze(-2) * k_dec.unsqueeze(-4)).flatten(-3, -2)     # [..., S(a), C(i), K]
     A = (rows @ cols.transpose(-1, -2)).unflatten(-2, (2, c))               # [..., S(a), 2, c(r), C(i)]
-    if not bool(centred.all()):                                               # strong decay: exact diagonal blocks
+    if not centred.is_meta and not bool(centred.all()):                                               # strong decay: exact diagonal blocks
         idx = (~centred).nonzero(as_tuple=True)
         exact = _exact_diag_blocks(g[idx], ks[idx], qs[idx])                 # [n, 2, c, c]
         cols_idx = idx[-1][:, None] * c + torch.arange(c, device=kq.device)   # [n, c]
@@ -165,6 +169,7 @@ def _chunk_range(kq: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta: torch
     return o.view(N, B, H, C, V), S_
 
 
+@without_autocast
 def chunk_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -201,7 +206,7 @@ def chunk_kda(
     scale = K ** -0.5 if scale is None else scale
     out_dtype = v.dtype
     dtype = torch.promote_types(q.dtype, torch.float32)                      # fp32 at least; fp64 stays fp64
-    N = max(1, -(-T // C))
+    N = -(-T // C)  # 0 for T = 0: no chunk, the state passes through
 
     def empty(*shape: int) -> torch.Tensor:  # every element is written by _fill_chunks (padding included)
         return torch.empty(*shape, dtype=dtype, device=q.device)
@@ -213,7 +218,7 @@ def chunk_kda(
     o_chunks = o.view(B, N, C, H, V).permute(1, 0, 3, 2, 4)                  # [N, B, H, C, V] view of o
     # blocks of chunks: each block is laid out, computed and written out while its intermediates are in
     # cache; the state runs from block to block
-    step = min(N, chunk_block) if chunk_block else N
+    step = max(1, min(N, chunk_block) if chunk_block else N)  # >= 1: a range step, also for N = 0
     for n0 in range(0, N, step):
         n, t = min(step, N - n0), slice(n0 * C, (n0 + step) * C)
         # chunk-major, zero-padded layouts [n, B, H, ...]; k and q of a sub-chunk sit side by side so one

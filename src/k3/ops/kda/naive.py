@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops.amp import without_autocast
 
+
+@without_autocast
 def naive_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops.amp import without_autocast
 
+
+@without_autocast
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,

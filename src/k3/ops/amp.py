@@ -1,0 +1,33 @@
+"""Autocast helpers shared by the ops and the layers.
+
+The KDA kernels fix their own precision (fp32 at least, the state always fp32): under torch.autocast their
+matmuls would otherwise run in bf16, which changes the state's dtype, and with out= buffers fails outright.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+__all__ = ["autocast_on", "no_autocast", "without_autocast"]
+
+
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for this device type; False where autocast does not exist (meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def no_autocast(device_type: str):
+    """A context that turns autocast off for this device type (nothing to turn off on meta)."""
+    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
+
+
+def without_autocast(fn):
+    """Decorator: run `fn(q, ...)` with autocast off for q's device."""
+    @functools.wraps(fn)
+    def run(q: torch.Tensor, *args, **kwargs):
+        with no_autocast(q.device.type):
+            return fn(q, *args, **kwargs)
+
+    return run
