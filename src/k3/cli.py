@@ -50,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
+            FileExistsError) as e:  # a bad path given on the command line: its message names the path
+        hint = "; a path given as a directory is a file (or the reverse): pass another one" \
+            if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)) else ""
+        print(f"k3 {args.command}: error: {e}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"k3 {args.command}: interrupted", file=sys.stderr)

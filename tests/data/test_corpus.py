@@ -98,6 +98,26 @@ def test_jsonl_spec(tmp_path):
     assert sorted(dict(c.documents("train")) | dict(c.documents("val"))) == sorted(got)
 
 
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    # a "\r" inside the file ends no record: the ids counted and the records read agree (CRLF files work)
+    p = tmp_path / "crlf.jsonl"
+    p.write_bytes(b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\r\n" for i in range(6)))
+    assert dict(open_corpus(str(p)).documents("all")) == {f"crlf.jsonl:{i + 1}": f"doc {i}" for i in range(6)}
+    p.write_bytes(b"".join(json.dumps({"text": f"doc {i}"}).encode() + b"\r" for i in range(6)))
+    with pytest.raises(ValueError, match="crlf.jsonl:1: not valid JSON"):  # one line holding six records
+        list(open_corpus(str(p)).documents("all"))
+
+
+def test_unreadable_files_are_skipped_with_a_warning(tmp_path, caplog):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"document {i}\n")
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with caplog.at_level("WARNING"):
+        c = open_corpus(str(tmp_path))
+        assert sorted(dict(c.documents("all"))) == ["0.txt", "1.txt", "2.txt"]
+    assert "gone.txt" in caplog.text
+
+
 def test_jsonl_without_text_is_an_error(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "ok"}\n{"content": "no text"}\n')

@@ -144,7 +144,8 @@ def test_mismatched_tokenizer_and_truncated_file_are_detected(ds, docs, tmp_path
         load_dataset(copy)
 
 
-@pytest.mark.parametrize("damage", ["manifest_json", "manifest_key", "docs_empty", "docs_truncated"])
+@pytest.mark.parametrize("damage", ["manifest_json", "manifest_key", "docs_empty", "docs_truncated", "dtype",
+                                    "n_tokens", "tokenizer_hash", "bin_missing"])
 def test_damaged_dataset_files_name_the_file_and_the_fix(ds, tmp_path, damage):
     copy = tmp_path / "copy"
     shutil.copytree(ds.manifest_path.parent, copy)
@@ -153,15 +154,24 @@ def test_damaged_dataset_files_name_the_file_and_the_fix(ds, tmp_path, damage):
     if damage == "manifest_json":
         manifest.write_text(manifest.read_text()[:40])
         bad = manifest
-    elif damage == "manifest_key":
+    elif damage in ("manifest_key", "dtype", "n_tokens", "tokenizer_hash"):
         m = json.loads(manifest.read_text())
-        del m["dtype"]
+        if damage == "manifest_key":
+            del m["dtype"]
+        elif damage == "tokenizer_hash":
+            del m["tokenizer_hash"]
+        else:
+            m[damage] = {"dtype": "bogus", "n_tokens": "abc"}[damage]
         manifest.write_text(json.dumps(m))
         bad = manifest
+    elif damage == "bin_missing":
+        (copy / json.loads(manifest.read_text())["bin"]).unlink()
+        bad = copy / json.loads(manifest.read_text())["bin"]
     else:
         docs_file.write_bytes(b"" if damage == "docs_empty" else docs_file.read_bytes()[:20])
         bad = docs_file
-    with pytest.raises(ValueError, match=f"{bad}.*damaged; rebuild it with `k3 tokenize --out {copy}`"):
+    fix = "is missing.*" if damage == "bin_missing" else "damaged; "
+    with pytest.raises(ValueError, match=f"{bad}.*{fix}rebuild it with `k3 tokenize --out {copy}`"):
         load_dataset(copy)
 
 
@@ -176,24 +186,29 @@ def text_dir(tmp_path, docs):
 
 def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
     out = tmp_path / "data"
-    files = prepare_data(out, str(text_dir), vocab_size=512)
+    files = prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0)  # its val file copies a train file
     assert not files.reused and files.train.n_docs + files.val.n_docs == 12 and files.val.n_docs >= 1
     assert files.info["request"]["vocab_size"] == 512 and files.info["tokenizer_bytes"] > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["data.json", "tokenizer.json", "train.bin", "train.docs.npy", "train.json",
          "val.bin", "val.docs.npy", "val.json"])
-    again = prepare_data(out, str(text_dir), vocab_size=512)
+    again = prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0)
     assert again.reused and again.tokenizer.fingerprint == files.tokenizer.fingerprint
     (text_dir / "doc99.txt").write_text("a new document changes the corpus fingerprint\n" * 20)
-    assert not prepare_data(out, str(text_dir), vocab_size=512).reused
+    assert not prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0).reused
     loaded = load_data(out)
     assert torch.equal(loaded.train.get_batch(3, 2, 16)[0], load_data(out).train.get_batch(3, 2, 16)[0])
 
 
 def test_cli_tokenize(text_dir, tmp_path, capsys):
     out = tmp_path / "cli"
+    # the corpus's one validation file (__phello__/spam.py) is a copy of a training file: by default it is
+    # left out, which leaves no validation split, and the error names the switch
     assert main(["tokenize", "--data", str(text_dir), "--vocab-size", "512", "--out", str(out),
-                 "--max-bytes", "60KB", "-q"]) == 0
+                 "--max-bytes", "60KB", "-q"]) == 2
+    assert "every validation document" in capsys.readouterr().err
+    assert main(["tokenize", "--data", str(text_dir), "--vocab-size", "512", "--out", str(out),
+                 "--max-bytes", "60KB", "-q", "--decontaminate", "0"]) == 0
     printed = capsys.readouterr().out
     assert str(out / "tokenizer.json") in printed and str(out / "train.bin") in printed
     assert load_data(out).info["request"]["max_bytes"] == 60_000
@@ -201,3 +216,45 @@ def test_cli_tokenize(text_dir, tmp_path, capsys):
     assert "no such file or directory" in capsys.readouterr().err
     assert main(["tokenize", "--data", str(text_dir), "--vocab-size", "100", "--out", str(out), "-q"]) == 2
     assert "--vocab-size >= 273" in capsys.readouterr().err
+
+
+def test_validation_leaves_out_near_copies_of_training_text(tmp_path):
+    rng = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta", "lambda", "zeta"]
+
+    def text(i: int) -> str:
+        ids = torch.randint(0, len(words), (40, 5), generator=rng).tolist()
+        return "".join(f"doc {i} line {j}: " + " ".join(words[w] for w in row) + "\n" for j, row in enumerate(ids))
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(40):
+        (d / f"f{i:02d}.txt").write_text(text(i))
+    corpus = open_corpus(str(d), val_fraction=0.2)
+    val, train = corpus.doc_ids("val"), corpus.doc_ids("train")
+    assert len(val) >= 3
+    copy = val[0]  # a validation file that is 3/4 a training file: 30 of its 40 lines, plus 10 of its own
+    (d / copy).write_text("".join((d / train[0]).read_text().splitlines(keepends=True)[:30]) + text(99)[:400])
+    files = prepare_data(tmp_path / "data", str(d), vocab_size=300, val_fraction=0.2)
+    assert [e["doc_id"] for e in files.info["val_excluded"]] == [copy]
+    assert 0.7 < files.info["val_excluded"][0]["overlap"] < 0.9
+    assert files.val.n_docs == len(val) - 1
+    kept = prepare_data(tmp_path / "all", str(d), vocab_size=300, val_fraction=0.2, decontaminate=0)
+    assert kept.info["val_excluded"] == [] and kept.val.n_docs == len(val)
+    assert kept.train.n_tokens == files.train.n_tokens  # the training side is the same either way
+    with pytest.raises(ValueError, match="decontaminate"):
+        prepare_data(tmp_path / "x", str(d), decontaminate=1.5)
+
+
+def test_splits_that_would_be_empty_are_refused_before_any_work(tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a single file is a single document\n" * 50)
+    with pytest.raises(ValueError, match=r"a text file is one document\); pass a directory"):
+        prepare_data(tmp_path / "d1", str(one))
+    d = tmp_path / "two"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.txt").write_text(f"document {i}\n" * 30)
+    with pytest.raises(ValueError, match="--val-fraction 0 leaves no validation split"):
+        prepare_data(tmp_path / "d2", str(d), val_fraction=0)
+    assert not (tmp_path / "d1").exists() and not (tmp_path / "d2").exists()

@@ -88,3 +88,31 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     assert 0 < s["unigram_bpb"] < s["val_bpb_start"]  # an untrained model is worse than unigram
     assert s["checkpoint"].endswith(f"step_{s['steps']:06d}")
     assert s["total_minutes"] < 0.15 + 0.2
+    assert s["val_tokens_scored"] == 2 * 2 * 16  # counted over the windows the baseline and the model scored
+    assert (out / ".k3-demo").is_file()
+
+
+def test_demo_refuses_directories_that_hold_something_else(tiny_data_dir, tmp_path, capsys):
+    demo = ["demo", "--preset", "tiny", "--max-bytes", "300000", "--minutes", "0.1", "--batch-size", "2",
+            "--seq-len", "16", "--eval-batches", "2"]
+    # a `k3 train` run in --out: the demo would start over there and delete its checkpoint
+    run = tmp_path / "run"
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(run), "--steps", "1"]) == 0
+    capsys.readouterr()
+    assert main([*demo, "--data", str(tiny_data_dir), "--out", str(run)]) == 2
+    assert "holds a run that is not a demo's" in capsys.readouterr().err
+    assert (run / "checkpoint" / "step_000001").is_dir()
+    # data tokenized from another corpus in --data: the demo would re-tokenize the standard library over it
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(60):
+        (text / f"{i}.txt").write_text(f"document {i}: " + " ".join(str(i * j) for j in range(200)) + "\n")
+    assert main(["tokenize", "--data", str(text), "--out", str(tmp_path / "mine"), "--vocab-size", "300",
+                 "--val-fraction", "0.1", "-q"]) == 0
+    capsys.readouterr()
+    assert main([*demo, "--data", str(tmp_path / "mine"), "--out", str(tmp_path / "d")]) == 2
+    assert "holds data tokenized from directory" in capsys.readouterr().err
+    assert json.loads((tmp_path / "mine" / "data.json").read_text())["request"]["source"].startswith("directory")
+    # run flags are checked before any data work
+    assert main([*demo, "--data", str(tmp_path / "new"), "--out", str(tmp_path / "d"), "--eval-batches", "0"]) == 2
+    assert "eval_batches = 0" in capsys.readouterr().err and not (tmp_path / "new").exists()

@@ -27,7 +27,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     files = prepare_data(
         args.out, args.data, vocab_size=args.vocab_size, max_bytes=args.max_bytes,
         tokenizer_max_bytes=args.tokenizer_max_bytes, val_fraction=args.val_fraction,
-        progress=not args.quiet and sys.stderr.isatty(), force=args.force,
+        progress=not args.quiet and sys.stderr.isatty(), force=args.force, decontaminate=args.decontaminate,
     )
     req, t = files.info.get("request", {}), files.info.get("timings", {})
     print(f"source     {req.get('source', args.data or 'stdlib')}" + ("  (reused, nothing rebuilt)" if files.reused else ""))
@@ -37,6 +37,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         m = ds.manifest
         print(f"{split:<10} {ds.bin_path}  {ds.n_tokens:,} tokens ({m['dtype']}), {ds.n_docs} docs, "
               f"{m['bytes_per_token']:.2f} bytes/token, built in {t.get(f'{split}_s', 0):.1f}s")
+    gone = files.info.get("val_excluded") or []
+    if gone:
+        print(f"left out  {len(gone)} validation document(s) mostly made of training lines: "
+              + ", ".join(f"{e['doc_id']} ({e['overlap']:.0%})" for e in gone[:6]) + (" ..." if len(gone) > 6 else ""))
     return 0
 
 
@@ -54,6 +58,9 @@ def register(sub) -> None:
     p.add_argument("--tokenizer-max-bytes", type=parse_bytes, default=20_000_000,
                    help="text the tokenizer is trained on: the first N bytes of the train split (default 20MB)")
     p.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out (default 0.02)")
+    p.add_argument("--decontaminate", type=float, default=0.5, metavar="SHARE",
+                   help="leave out validation documents whose text is at least this share lines found verbatim in "
+                        "the training split (default 0.5; 0 keeps all)")
     p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this data")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_tokenize)

@@ -7,7 +7,10 @@ or a `.jsonl` file whose lines are objects with a string `"text"` field (one doc
 
 The split is a pure function of each document's id (its relative path, or `path:line` for JSONL): a
 keyed hash maps the id to [0, 1) and ids below `val_fraction` are validation. It is the same on every
-call, every machine and every Python, and adding a file never moves another file across the split.
+call, every machine and every Python, and adding a file never moves another file across the split (except in
+a corpus so small that the hash puts no document in validation: then the lowest-hashed one stands in, and a
+new document can take its place). Near-copies of training text are taken out of validation when the data is
+packed (`k3.data.dataset.prepare_data`, `decontaminate`), not here: that needs the text.
 """
 from __future__ import annotations
 
@@ -133,6 +136,9 @@ class Corpus:
                 except UnicodeDecodeError:
                     log.warning("skipping %s: not UTF-8 text", e.path)
                     continue
+                except OSError as err:  # vanished, unreadable: skipped like undecodable text, and said
+                    log.warning("skipping %s: cannot be read (%s)", e.path, err.strerror or err)
+                    continue
                 yield e.doc_id, text
                 continue
             # consecutive JSONL documents from one file: read the file once
@@ -146,7 +152,8 @@ class Corpus:
 
 
 def _read_jsonl(path: Path, wanted: dict[int, str]) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
+    # lines end at "\n" only, as _jsonl_entries counts them: a lone "\r" inside a file is not a record boundary
+    with open(path, encoding="utf-8", newline="\n") as f:
         for lineno, line in enumerate(f, 1):
             if lineno not in wanted:
                 continue
@@ -175,7 +182,11 @@ def _file_entries(files: list[tuple[str, Path]]) -> list[_Entry]:
     """`files` = sorted (relative name, path); JSONL files expand into one entry per non-blank line."""
     entries: list[_Entry] = []
     for name, path in files:
-        if path.stat().st_size == 0:
+        try:
+            if path.stat().st_size == 0:
+                continue
+        except OSError as err:  # a broken symlink, a file gone since the listing
+            log.warning("skipping %s: %s", path, err.strerror or err)
             continue
         if path.suffix == ".jsonl":
             entries.extend(_jsonl_entries(path, name))

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DATASET_FORMAT = 1
 DATA_MANIFEST = "data.json"
+DEFAULT_DECONTAMINATE = 0.5  # validation documents this much made of training lines are left out
 _BATCH_SALT = 0x6B33  # keeps these streams apart from any other SeedSequence([seed, step]) in k3
 
 
@@ -69,15 +70,24 @@ class PackedDataset:
             got = m.get("format") if isinstance(m, dict) else type(m).__name__
             raise ValueError(f"{self.manifest_path} has dataset format {got!r}, this k3 reads "
                              f"{DATASET_FORMAT}; {rebuild}")
-        missing = [k for k in ("bin", "dtype", "n_tokens", "doc_starts") if k not in m]
+        missing = [k for k in ("bin", "dtype", "n_tokens", "doc_starts", "tokenizer_hash") if k not in m]
         if missing:
             raise ValueError(f"{self.manifest_path} lacks {missing}: the dataset is damaged; {rebuild}")
         root = self.manifest_path.parent
-        self.bin_path = root / m["bin"]
-        self.dtype = np.dtype(m["dtype"])
-        self.n_tokens = int(m["n_tokens"])
+        try:
+            self.bin_path = root / str(m["bin"])
+            self.dtype = np.dtype(m["dtype"])
+            if self.dtype.kind not in "ui" or isinstance(m["n_tokens"], bool):
+                raise TypeError(f"dtype {self.dtype} is not an integer type")
+            self.n_tokens = int(m["n_tokens"])
+            if self.n_tokens < 0 or self.n_tokens != m["n_tokens"]:
+                raise ValueError(f"n_tokens {m['n_tokens']!r} is not a token count")
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.manifest_path}: {e}: the dataset is damaged; {rebuild}") from None
         expected = self.n_tokens * self.dtype.itemsize
-        actual = self.bin_path.stat().st_size if self.bin_path.is_file() else None
+        if not self.bin_path.is_file():
+            raise ValueError(f"{self.bin_path} is missing (named by {self.manifest_path}); {rebuild}")
+        actual = self.bin_path.stat().st_size
         if actual != expected:
             raise ValueError(f"{self.bin_path} has {actual} bytes, the manifest says {expected} "
                              f"({self.n_tokens} x {self.dtype}); the dataset is incomplete: rebuild it with "
@@ -231,6 +241,38 @@ def load_dataset(out_dir: str | os.PathLike, name: str = "train", tokenizer: Tok
     return ds
 
 
+# ---------------------------------------------------------------------- decontamination
+def _lines(text: str) -> list[str]:
+    return [s for s in (line.strip() for line in text.splitlines()) if s]
+
+
+def _remember_lines(documents: Iterable[Document], seen: set[int]) -> Iterator[Document]:
+    """Pass `documents` through, adding a hash of every non-blank (stripped) line to `seen`."""
+    for doc_id, text in documents:
+        seen.update(hash(s) for s in _lines(text))
+        yield doc_id, text
+
+
+def line_overlap(text: str, seen: set[int]) -> float:
+    """Share of `text`'s non-blank characters on lines that occur verbatim (stripped) in `seen`."""
+    lines = _lines(text)
+    total = sum(len(s) for s in lines)
+    return sum(len(s) for s in lines if hash(s) in seen) / total if total else 0.0
+
+
+def _decontaminated(documents: Iterable[Document], seen: set[int], threshold: float,
+                    excluded: list[dict]) -> Iterator[Document]:
+    """`documents` without those whose line_overlap with the training text is >= threshold (recorded)."""
+    for doc_id, text in documents:
+        share = line_overlap(text, seen)
+        if share >= threshold:
+            excluded.append({"doc_id": doc_id, "overlap": round(share, 4)})
+            log.info("validation: leaving out %s, %.0f%% of its text is lines of the training split", doc_id,
+                     100 * share)
+            continue
+        yield doc_id, text
+
+
 # ---------------------------------------------------------------------- the whole data step
 @dataclass
 class DataFiles:
@@ -260,15 +302,29 @@ def load_data(out_dir: str | os.PathLike) -> DataFiles:
 def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_bytes: int | None = None, tokenizer_max_bytes: int = DEFAULT_TOKENIZER_MAX_BYTES,
                  val_fraction: float = DEFAULT_VAL_FRACTION, progress: bool = False,
-                 force: bool = False) -> DataFiles:
+                 force: bool = False, decontaminate: float = DEFAULT_DECONTAMINATE) -> DataFiles:
     """Train the tokenizer on the train split (first `tokenizer_max_bytes`), then pack train and val
-    (each capped at `max_bytes` if given). Reuses `out_dir` when it already holds this exact request."""
+    (each capped at `max_bytes` if given). Reuses `out_dir` when it already holds this exact request.
+
+    `decontaminate`: a validation document whose non-blank text is at least this share made of lines that
+    occur verbatim in the packed training text is left out of validation (a generated near-copy of a training
+    file, e.g. one codec table of a family, would otherwise score as if unseen); the ids and shares go to
+    data.json `val_excluded`. 0 keeps every validation document. Costs a set of one hash per distinct
+    training line (about 70 bytes each)."""
     out_dir = Path(out_dir)
+    if not 0.0 <= decontaminate <= 1.0:
+        raise ValueError(f"decontaminate = {decontaminate} must be in [0, 1] (0: keep every validation document)")
     corpus = open_corpus(spec, val_fraction=val_fraction)
+    n_train, n_val = len(corpus.doc_ids("train")), len(corpus.doc_ids("val"))
+    if not n_val or not n_train:
+        why = ("--val-fraction 0 leaves no validation split; use a fraction > 0, e.g. 0.02" if val_fraction == 0
+               else f"{corpus.description} holds {len(corpus.entries)} document(s) (a text file is one document); "
+                    "pass a directory, a glob or a .jsonl file with at least 2 documents")
+        raise ValueError(f"the {'validation' if not n_val else 'training'} split would be empty: {why}")
     request = {
         "format": DATASET_FORMAT, "source": corpus.description, "corpus_fingerprint": corpus.fingerprint(),
         "vocab_size": vocab_size, "max_bytes": max_bytes, "tokenizer_max_bytes": tokenizer_max_bytes,
-        "val_fraction": val_fraction,
+        "val_fraction": val_fraction, "decontaminate": decontaminate,
     }
     if not force and (out_dir / DATA_MANIFEST).is_file():
         try:
@@ -288,15 +344,36 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
                           path=out_dir / TOKENIZER_FILE, progress=progress)
     t_tok = time.perf_counter() - t0
     datasets, timings = {}, {"tokenizer_s": round(t_tok, 3)}
+    seen: set[int] = set()
+    excluded: list[dict] = []
     for split in ("train", "val"):
         t1 = time.perf_counter()
+        docs = corpus.documents(split, max_bytes=max_bytes)
+        if decontaminate > 0:
+            docs = _remember_lines(docs, seen) if split == "train" else _decontaminated(docs, seen, decontaminate,
+                                                                                        excluded)
+        if split == "val":
+            docs = _not_empty(docs, corpus.description, excluded, decontaminate)
         datasets[split] = build_dataset(
-            corpus.documents(split, max_bytes=max_bytes), tok, out_dir, split,
+            docs, tok, out_dir, split,
             source=f"{corpus.description} [{split}]", progress=progress, total=len(corpus.doc_ids(split)),
             extra={"split": split, "max_bytes": max_bytes, "corpus_fingerprint": corpus.fingerprint()},
         )
         timings[f"{split}_s"] = round(time.perf_counter() - t1, 3)
     info = {"request": request, "timings": timings, "tokenizer_hash": tok.fingerprint,
-            "tokenizer_bytes": tok.trained_bytes}
+            "tokenizer_bytes": tok.trained_bytes, "val_excluded": excluded}
     atomic_write_text(out_dir / DATA_MANIFEST, json.dumps(info, indent=2) + "\n")
     return DataFiles(out_dir, tok, datasets["train"], datasets["val"], info)
+
+
+def _not_empty(documents: Iterable[Document], description: str, excluded: list[dict],
+               threshold: float) -> Iterator[Document]:
+    n = 0
+    for doc in documents:
+        n += 1
+        yield doc
+    if n == 0 and excluded:
+        raise ValueError(f"every validation document of {description} is at least {threshold:.0%} lines of the "
+                         f"training split ({len(excluded)} left out); raise --decontaminate (1 keeps all but exact "
+                         "copies, 0 keeps everything) or give more distinct text")
+

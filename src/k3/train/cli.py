@@ -11,7 +11,10 @@ from pathlib import Path
 from k3.model.cli import add_config_args, config_from_args
 
 DEFAULT_DATA = "runs/data"
-DEMO_PROMPTS = ("def ", "import os\n", "class Config:\n    def __init__(self")
+# no trailing space: the tokenizer joins a space to the word after it, so a prompt ending in " " leaves a lone
+# space token that the model rarely saw before a word, and the sample starts with a second space
+DEMO_PROMPTS = ("def", "import os\n", "class Config:\n    def __init__(self")
+DEMO_MARK = ".k3-demo"  # in a demo's --out: the demo may replace what it finds there
 
 
 # ---------------------------------------------------------------------- shared helpers
@@ -246,21 +249,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.minutes > 0:
         raise ValueError(f"--minutes = {args.minutes} must be positive")
     out = Path(args.out)
-    _check_writable(out)
     config = config_from_args(args)
+    tc = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                     optimizer=args.optimizer, max_minutes=args.minutes, fit_steps_to_budget=True,
+                     warmup_steps=args.warmup_steps, eval_every=0, eval_batches=args.eval_batches,
+                     eval_at_start=True, ckpt_every=args.ckpt_every, keep_last=2, seed=args.seed).validate()
+    _check_demo_dirs(Path(args.data), out)
+    _check_writable(out)
+    atomic_write_text(out / DEMO_MARK, "written by k3 demo, which replaces this directory's run when it starts\n")
     tty = sys.stderr.isatty()
     print(f"k3 demo: data in {args.data} (tokenizer + packed train/val splits; reused when present)", file=sys.stderr)
     files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty)
     bpt = _bytes_per_token(files.val)
 
     # the unigram baseline on exactly the validation targets the model is scored on
-    targets = (y for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches))
+    scored = []
+    targets = (scored.append(y.numel()) or y
+               for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches))
     unigram = unigram_loss(files.train.tokens, config.vocab_size, targets)
 
-    tc = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                     optimizer=args.optimizer, max_minutes=args.minutes, fit_steps_to_budget=True,
-                     warmup_steps=args.warmup_steps, eval_every=0, eval_batches=args.eval_batches,
-                     eval_at_start=True, ckpt_every=args.ckpt_every, keep_last=2, seed=args.seed)
     trainer = Trainer(config, tc, files.train, files.val, out, bytes_per_token=bpt, data_info=_data_info(files),
                       overwrite=True)
     spent = time.perf_counter() - t_start
@@ -293,7 +300,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "steps": result.steps_done, "tokens": result.tokens, "train_minutes": round(result.elapsed_s / 60, 2),
         "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "batch_size": tc.batch_size,
         "seq_len": tc.seq_len, "optimizer": tc.optimizer, "bytes_per_token_val": bpt,
-        "val_tokens_scored": tc.eval_batches * tc.batch_size * tc.seq_len,
+        "val_tokens_scored": sum(scored),
         "val_loss_start": start["val_loss"], "val_loss_end": end["val_loss"],
         "val_bpb_start": bits_per_byte(start["val_loss"], bpt), "val_bpb_end": bits_per_byte(end["val_loss"], bpt),
         "unigram_loss": unigram, "unigram_bpb": bits_per_byte(unigram, bpt),
@@ -310,8 +317,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"samples     {out / 'samples.txt'}")
     print(f"checkpoint  {result.checkpoint}")
     print(f"summary     {out / 'summary.json'}")
-    print(f"next: k3 sample --ckpt {out / 'checkpoint'} --prompt 'def '   |   k3 eval --ckpt {out / 'checkpoint'}")
+    print(f"next: k3 sample --ckpt {out / 'checkpoint'} --prompt 'def'   |   k3 eval --ckpt {out / 'checkpoint'}")
     return 0
+
+
+def _check_demo_dirs(data: Path, out: Path) -> None:
+    """The demo tokenizes the standard library into --data and replaces the run in --out: refuse directories
+    that hold something else (another corpus's data; a `k3 train` run), so nothing of the user's is lost."""
+    from k3.data.dataset import DATA_MANIFEST
+    from k3.data.corpus import open_corpus
+
+    if data.is_file() or out.is_file():
+        raise ValueError(f"{data if data.is_file() else out} is a file; the demo needs directories for --data and "
+                         "--out")
+    info = data / DATA_MANIFEST
+    if info.is_file():
+        try:
+            source = json.loads(info.read_text(encoding="utf-8")).get("request", {}).get("source")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            source = None  # damaged: prepare_data rebuilds it
+        if source is not None and source != open_corpus().description:
+            raise ValueError(f"--data {data} holds data tokenized from {source}; the demo tokenizes the Python "
+                             "standard library and would replace it: give the demo a --data of its own")
+    ran = [p for p in (out / "checkpoint", out / "metrics.jsonl") if p.exists()]
+    if ran and not (out / DEMO_MARK).is_file() and not (out / "summary.json").is_file():
+        raise ValueError(f"--out {out} holds a run that is not a demo's ({ran[0].name}); the demo starts over in "
+                         "its --out and would delete it: give the demo an --out of its own")
 
 
 # ---------------------------------------------------------------------- registration
