@@ -31,7 +31,8 @@ def toy_yaml(tmp_path):
 # ---------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("layout,pattern", [
     (Layout(tp=3), r"tp = 3 does not divide .*kda_heads = 2.*sizes that fit: 1, 2"),
-    (Layout(ep=3, dp=3), r"ep = 3 does not divide n_experts = 8; .*fit: 1, 2, 4, 8"),
+    (Layout(ep=3, dp=3), r"ep = 3 does not divide n_experts = 8; with tp x dp = 3 GPUs per stage, .*fit: 1$"),
+    (Layout(ep=3, dp=4), r"ep = 3 does not divide n_experts = 8; .*fit: 1, 2, 4$"),
     (Layout(ep=4, dp=2), r"ep = 4 must divide tp x dp = 2.*ep in 1, 2"),
     (Layout(pp=5), r"pp = 5 exceeds n_layers = 4; pipeline sizes that fit: 1 \.\. 4"),
     (Layout(tp=0), r"--tp = 0 must be a positive integer"),
@@ -179,3 +180,23 @@ def test_what_ifs_move_the_expected_wall():
     kda_only = [plan(get_config("tiny", layer_pattern="KKKK"), "h100", Layout(), _serve(context=n))["memory"]
                 for n in (256, 2048)]
     assert kda_only[0]["cache_per_sequence"] == kda_only[1]["cache_per_sequence"]  # constant in context
+
+
+def test_decode_reads_the_experts_of_a_gpu_that_receives_a_token():
+    # fewer tokens per step than expert-parallel groups (B x dp = 1 < edp = tp x dp / ep = 2): the GPU that
+    # gets the token still reads its experts, so halving ep (twice the experts per GPU) cannot speed decode up
+    k3 = get_config("k3")
+    rates = {}
+    for ep in (8, 4):
+        p = plan(k3, "h200", Layout(tp=8, ep=ep, pp=2), Options(context=1_048_576))
+        detail = p["stages"][0]["bandwidth"]["detail"]
+        assert detail["expert_hit_fraction"] > 0 and detail["weights_routed_touched"] > 0
+        rates[ep] = p["latency"]["tokens_per_s_bound"]
+    assert rates[4] < rates[8]
+
+
+def test_pipeline_boundaries_inside_a_node_use_nvlink():
+    # 16 one-GPU stages on 8-GPU nodes: only the boundary between GPU 7 and GPU 8 crosses nodes
+    p = plan(get_config("k3"), "h200", Layout(tp=1, pp=16), Options(context=8192))
+    links = [s["communication"]["links"]["pp"] for s in p["stages"]]
+    assert links == ["nvlink"] * 7 + ["network"] + ["nvlink"] * 7 + ["none"]

@@ -135,11 +135,14 @@ def check_layout(config: K3Config, layout: Layout) -> None:
         problems.append(f"tp = {layout.tp} does not divide {', '.join(f'{k} = {v}' for k, v in bad.items())}; "
                         f"tensor-parallel sizes that fit: {', '.join(map(str, fit))}")
     has_moe = config.n_dense_layers < config.n_layers
+    # ep must divide both the experts and the tp x dp GPUs of a stage (which spread the experts); the sizes
+    # offered satisfy both, so following the advice never meets the other condition
+    fit = [e for e in _divisors(layout.tp * layout.dp) if not has_moe or config.n_experts % e == 0]
     if has_moe and config.n_experts % layout.ep:
-        problems.append(f"ep = {layout.ep} does not divide n_experts = {config.n_experts}; expert-parallel sizes "
-                        f"that fit: {', '.join(map(str, _divisors(config.n_experts)))}")
+        problems.append(f"ep = {layout.ep} does not divide n_experts = {config.n_experts}; with tp x dp = "
+                        f"{layout.tp * layout.dp} GPUs per stage, expert-parallel sizes that fit: "
+                        f"{', '.join(map(str, fit))}")
     elif (layout.tp * layout.dp) % layout.ep:
-        fit = [e for e in _divisors(layout.tp * layout.dp) if not has_moe or config.n_experts % e == 0]
         problems.append(f"ep = {layout.ep} must divide tp x dp = {layout.tp * layout.dp} (the experts of a stage are "
                         f"spread over its tp x dp GPUs); with this tp and dp: ep in {', '.join(map(str, fit))}")
     if layout.pp > config.n_layers:
@@ -185,6 +188,16 @@ def _on_stage(info: acc.ParamInfo, layers: range, n_layers: int) -> bool:
 
 def _link(hw: Hardware, group_span: int) -> tuple[float, str]:
     nvlink = group_span <= hw.nvlink_domain
+    return hw.link_bytes_s(nvlink), "nvlink" if nvlink else "network"
+
+
+def _pp_link(hw: Hardware, stage_ranks: int, stage: int) -> tuple[float, str]:
+    """The link from pipeline stage `stage` to the next: rank r sends to r + stage_ranks (stages are
+    consecutive blocks of tp x dp ranks, nodes consecutive blocks of nvlink_domain); NVLink when every pair
+    of the boundary lies inside one node, the network when any pair crosses nodes."""
+    D = hw.nvlink_domain
+    first = stage * stage_ranks
+    nvlink = all(r // D == (r + stage_ranks) // D for r in range(first, first + stage_ranks))
     return hw.link_bytes_s(nvlink), "nvlink" if nvlink else "network"
 
 
@@ -277,7 +290,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
         ep_bw, ep_link = _link(hw, ep)
         tp_bw, tp_link = _link(hw, tp)
         dp_bw, dp_link = _link(hw, tp * dp)
-        pp_bw, pp_link = _link(hw, tp * dp * pp)
+        pp_bw, pp_link = _pp_link(hw, tp * dp, s) if not last else (hw.link_bytes_s(True), "none")
         a2a_tok = acc.a2a_bytes_per_token(model, a2a_b)
         boundary = layers.stop if not last else None
         carried = acc.pipeline_sources(model, boundary) if boundary else 0
@@ -318,7 +331,10 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             # decode: one token for each of the replica's B sequences, after N cached tokens
             f = acc.forward_flops(model, 1, past=N, batch=B, absorb=True, layers=layers, include_head=last)
             comp_t = _compute_time(f, hw, options, train=False) / tp
-            read = _decode_bytes(model, cfg, layers, frac, serve_prec, options, B * dp // edp, tp, B)
+            # tokens reaching one expert-parallel group in a step: the busiest group's share, at least one (a
+            # GPU that receives a token reads its experts even when there are fewer tokens than groups)
+            group_tokens = max(1, math.ceil(B * dp / edp))
+            read = _decode_bytes(model, cfg, layers, frac, serve_prec, options, group_tokens, tp, B)
             bw_t = read["total"] / hw.hbm_bytes_s
             gpu_tokens = B / tp
             a2a = gpu_tokens * n_moe * a2a_tok * (ep - 1) / ep
