@@ -141,3 +141,55 @@ def test_bad_input_is_one_clear_line(argv, want, tmp_path, capsys):
     assert err.startswith("k3 ablate: error:") and len(err.strip().splitlines()) == 1
     for w in want:
         assert w in err
+
+
+def test_a_failed_run_is_reported_and_the_suite_goes_on(data, tmp_path, monkeypatch):
+    data_dir, files = data
+    plan = plan_runs(SMOKE, ["depth"], data_fingerprint(files))
+    doomed = next(e.spec.key for e in plan.entries if e.variant == "none" and e.seed == 1)
+    real = runner.execute
+
+    def execute(spec, *a, **k):
+        if spec.key == doomed:
+            raise ValueError("training diverged: gradient norm is nan at step 1")
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    failures = {}
+    results = run_plan(plan, tmp_path, str(data_dir), progress=False, failures=failures)
+    assert set(failures) == {doomed} and failures[doomed]["run"] == "depth/none s1"
+    assert "diverged" in failures[doomed]["error"]
+    assert doomed not in results and len(results) == len(plan.unique_specs()) - 1
+    assert not (run_dir(tmp_path, doomed) / runner.RESULT).exists()  # not cached: the next call retries it
+    summary = aggregate(plan, results)
+    summary["failed"] = list(failures.values())
+    row = summary["groups"]["depth"]["variants"]["none"]
+    assert row["seeds"] == [0] and row["val_loss_vs_baseline"]["n"] == 1
+    paths = write_report(summary, tmp_path, "")
+    assert "1 run(s) failed" in paths["markdown"].read_text() and "depth/none s1" in paths["markdown"].read_text()
+
+
+def test_non_finite_metrics_are_left_out_of_tables_and_plots(data, tmp_path):
+    data_dir, files = data
+    plan = plan_runs(SMOKE, ["depth"], data_fingerprint(files))
+    results = run_plan(plan, tmp_path, str(data_dir), progress=False)
+    key = next(e.spec.key for e in plan.entries if e.variant == "none" and e.seed == 0)
+    results = {**results, key: {**results[key], "val_loss": float("nan")}}
+    summary = aggregate(plan, results)
+    assert len(summary["groups"]["depth"]["variants"]["none"]["val_loss"]["values"]) == 1
+    paths = write_report(summary, tmp_path, "")  # the plot's axis limits stay finite
+    assert all(p.read_bytes()[:8] == PNG for p in paths["plots"])
+
+
+def test_a_cached_result_of_other_trainer_settings_is_rerun(data, tmp_path):
+    data_dir, files = data
+    plan = plan_runs(SMOKE, ["depth"], data_fingerprint(files))
+    spec = plan.entries[0].spec
+    res = execute(spec, tmp_path, str(data_dir))
+    assert res["trainer"]["grad_clip"] == 1.0 and runner.cached_result(tmp_path, spec) == res
+    # a result trained when a trainer default was different (the spec, and so the key, do not name grad_clip)
+    path = run_dir(tmp_path, spec.key) / runner.RESULT
+    path.write_text(json.dumps({**res, "trainer": {**res["trainer"], "grad_clip": 0.5}}))
+    assert runner.cached_result(tmp_path, spec) is None
+    path.write_text(json.dumps({k: v for k, v in res.items() if k != "trainer"}))  # results of older k3: kept
+    assert runner.cached_result(tmp_path, spec) is not None

@@ -110,12 +110,18 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     n_runs = len(plan.unique_specs())
     print(f"k3 ablate: suite {args.suite} ({scale.name} scale): {', '.join(names)}; {n_runs} distinct runs, "
           f"{len(scale.seeds)} seeds, {jobs} job(s); cache in {out / 'runs'}", file=sys.stderr)
-    results = run_plan(plan, out, data_dir, jobs=jobs, progress=not args.quiet, desc=f"ablate {scale.name}")
+    if user_set and PROBE in names:
+        print("k3 ablate: --set changes the LM runs' base config; the probe builds its own small models and "
+              "ignores it", file=sys.stderr)
+    failures: dict[str, dict] = {}
+    results = run_plan(plan, out, data_dir, jobs=jobs, progress=not args.quiet, desc=f"ablate {scale.name}",
+                       failures=failures)
     wall = time.perf_counter() - t0
 
     from k3.ablate.report import aggregate
 
     summary = aggregate(plan, results)
+    summary["failed"] = sorted(failures.values(), key=lambda f: f["run"])
     executed = [r["seconds"] for r in results.values()]
     summary["meta"] = {
         "suite": args.suite, "scale": scale.name, "ablations": names, "seeds": list(scale.seeds),
@@ -145,6 +151,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         print(f"results   {paths['markdown']}  {paths['json']}")
         print(f"plots     {'  '.join(str(p) for p in paths['plots'])}")
         print(f"time      {wall / 60:.1f} min wall, {len(results)} runs")
+    if failures:
+        print(f"k3 ablate: {len(failures)} run(s) failed; the report treats their seeds as missing, and the same "
+              "command retries them (finished runs stay cached):", file=sys.stderr)
+        for f in summary["failed"]:
+            print(f"  {f['run']}: {f['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -162,7 +174,8 @@ def register(sub) -> None:
                    help=f"comma-separated subset of the suite (valid: {', '.join(ALL_ABLATIONS)})")
     p.add_argument("--quick", action="store_true", help="a reduced suite (tiny model, 2 seeds): a smoke test")
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (default 3; 2 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 300; 30 with --quick)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per LM run (default 300; 30 with --quick); the probe keeps its own")
     p.add_argument("--jobs", type=int, default=0,
                    help="runs in parallel, one CPU thread each (default 0: the cores the load average leaves free)")
     p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],

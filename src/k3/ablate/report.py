@@ -76,7 +76,9 @@ def aggregate(plan: Plan, results: dict) -> dict:
             row = {"overrides": v.overrides, "ptq_of": v.ptq_of, "seeds": sorted(seeds),
                    "keys": {s: r["key"] for s, r in sorted(seeds.items())}}
             for m in METRICS:
-                vals = [r.get(m) for r in seeds.values() if r.get(m) is not None]
+                if m == "load_max_mean" and v.ptq_of:
+                    continue  # PTQ trains nothing: it has a validation load only (older results hold that here)
+                vals = [r[m] for r in seeds.values() if isinstance(r.get(m), (int, float)) and math.isfinite(r[m])]
                 if vals:
                     row[m] = dict(zip(("mean", "std"), mean_std(vals)))
                     row[m]["values"] = vals
@@ -139,6 +141,9 @@ def _ci(mean: float, ci: list[float], fmt: str = "{:+.4f}") -> str:
 
 def markdown(summary: dict, header: str = "") -> str:
     lines = [header] if header else []
+    if summary.get("failed"):
+        lines += [f"**{len(summary['failed'])} run(s) failed** and count as missing seeds below (rerun the same "
+                  "command to retry them):", ""] + [f"- {f['run']}: {f['error']}" for f in summary["failed"]] + [""]
     for name, g in summary["groups"].items():
         lines += [f"### {name}: {g['title']}", ""]
         if "skipped" in g:

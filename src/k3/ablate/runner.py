@@ -192,6 +192,8 @@ def cached_result(out: Path, spec: RunSpec, need_weights: bool = False) -> dict 
         return None
     if res.get("key") != spec.key:
         return None
+    if "trainer" in res and res["trainer"] != resolved_train(spec):
+        return None  # trained under other trainer defaults (k3 changed since): rerun it
     if need_weights and not (d / WEIGHTS).is_file():
         return None  # rerun to get the weights back (training is deterministic on CPU)
     return res
@@ -244,6 +246,16 @@ def _curve(d: Path) -> tuple[list[float], list[float]]:
             [r.get("expert_load_max_mean_overall") for r in recs])
 
 
+def resolved_train(spec: RunSpec) -> dict | None:
+    """Every trainer setting the run used, the defaults the spec leaves out included (JSON form): the cache
+    key hashes only the spec, so a result is checked against these too."""
+    if spec.kind == "ptq":
+        return None
+    from k3.train.trainer import TrainConfig
+
+    return json.loads(json.dumps(dataclasses.asdict(TrainConfig(**spec.train)), default=str))
+
+
 def _finish(d: Path, res: dict) -> dict:
     atomic_write_json(d / RESULT, res)
     shutil.rmtree(d / "checkpoint", ignore_errors=True)
@@ -266,7 +278,7 @@ def execute(spec: RunSpec, out: str | os.PathLike, data_dir: str | None, save_we
     d.mkdir(parents=True, exist_ok=True)
     atomic_write_json(d / "spec.json", {"key": spec.key, **spec.to_dict()})
     t0 = time.perf_counter()
-    res: dict = {"key": spec.key, "kind": spec.kind, "seed": spec.seed}
+    res: dict = {"key": spec.key, "kind": spec.kind, "seed": spec.seed, "trainer": resolved_train(spec)}
     config = K3Config.from_dict(spec.config)
 
     if spec.kind == "probe":
@@ -315,9 +327,7 @@ def execute(spec: RunSpec, out: str | os.PathLike, data_dir: str | None, save_we
                active_params=counts["active"], total_params=counts["total"],
                moe_payload=moe_payload(config) if model.moe_layers() else None,
                seconds=round(time.perf_counter() - t0, 2))
-    if spec.kind == "ptq":
-        res["load_max_mean"] = load_val  # no training steps: the load on the validation batches
-    return _finish(d, res)
+    return _finish(d, res)  # PTQ has no training steps, so no training-tail load: only load_max_mean_val
 
 
 def _worker_init() -> None:
@@ -338,8 +348,13 @@ def auto_jobs() -> int:
 
 
 def run_plan(plan: Plan, out: str | os.PathLike, data_dir: str | None, jobs: int = 1, progress: bool = True,
-             desc: str = "ablate") -> dict[str, dict]:
-    """Execute every spec of `plan` that is not cached; returns key -> result for all of them."""
+             desc: str = "ablate", failures: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Execute every spec of `plan` that is not cached; returns key -> result for those that finished.
+
+    A run that raises (diverged, a PTQ whose trained run failed, ...) does not stop the others: it is left out
+    of the results (its seed counts as missing), not cached, and recorded in `failures` (key -> {"run",
+    "error"}); the next invocation retries it."""
+    failures = {} if failures is None else failures
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -370,7 +385,10 @@ def run_plan(plan: Plan, out: str | os.PathLike, data_dir: str | None, jobs: int
                             bar.set_postfix_str(f"{name} step {rec['step']}/{steps} loss {rec['loss']:.3f}")
 
                     bar.set_postfix_str(label[spec.key])
-                    results[spec.key] = execute(spec, out, data_dir, spec.key in plan.weights_needed, on_step)
+                    try:
+                        results[spec.key] = execute(spec, out, data_dir, spec.key in plan.weights_needed, on_step)
+                    except Exception as e:  # noqa: BLE001 - one run's failure is reported, the suite goes on
+                        _failed(failures, spec.key, label[spec.key], e)
                     bar.update(1)
             else:
                 import multiprocessing as mp
@@ -382,9 +400,19 @@ def run_plan(plan: Plan, out: str | os.PathLike, data_dir: str | None, jobs: int
                                         s.key in plan.weights_needed): s for s in phase}
                     for f in as_completed(futs):
                         s = futs[f]
-                        results[s.key] = f.result()
-                        bar.set_postfix_str(f"done {label[s.key]}")
+                        try:
+                            results[s.key] = f.result()
+                            bar.set_postfix_str(f"done {label[s.key]}")
+                        except Exception as e:  # noqa: BLE001
+                            _failed(failures, s.key, label[s.key], e)
                         bar.update(1)
     finally:
         bar.close()
     return results
+
+
+def _failed(failures: dict, key: str, run: str, err: BaseException) -> None:
+    msg = f"{type(err).__name__}: {err}"
+    failures[key] = {"run": run, "error": msg}
+    log.warning("run %s failed (%s); the suite goes on without it", run, msg)
+
