@@ -259,7 +259,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     atomic_write_text(out / DEMO_MARK, "written by k3 demo, which replaces this directory's run when it starts\n")
     tty = sys.stderr.isatty()
     print(f"k3 demo: data in {args.data} (tokenizer + packed train/val splits; reused when present)", file=sys.stderr)
-    files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty)
+    try:
+        files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty)
+    except ValueError as e:  # its advice names k3 tokenize's flags; say which of the demo's do the same
+        raise ValueError(f"{e} (in k3 demo the vocabulary is the config's: --set vocab_size=N; the text is "
+                         "capped by --max-bytes)") from None
     bpt = _bytes_per_token(files.val)
 
     # the unigram baseline on exactly the validation targets the model is scored on
