@@ -54,7 +54,19 @@ BAD = [
     (dict(norm_eps=0.0), "norm_eps", "> 0"),
     (dict(kda_norm_eps=-1e-4), "kda_norm_eps", "> 0"),
     (dict(bias_update_rate=-0.1), "bias_update_rate", "0 to disable"),
+    (dict(routed_scale=float("inf")), "routed_scale", "finite"),  # `--set routed_scale=Infinity` parses
+    (dict(init_std=float("nan")), "init_std", "finite"),
+    (dict(bias_update_rate=float("inf")), "bias_update_rate", "finite"),
 ]
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_attnres_sources_only_binds_block_mode(mode):
+    # one source per sublayer (full) or none at all: the block count is not read, so it is not checked
+    cfg = get_config("tiny", n_layers=1, attnres=mode)
+    assert cfg.attnres_sources == 3 > cfg.n_layers + 1
+    with pytest.raises(K3ConfigError, match="attnres_sources"):
+        get_config("tiny", n_layers=1, attnres="block")
 
 
 @pytest.mark.parametrize("override,field,fix", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])

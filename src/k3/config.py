@@ -144,11 +144,13 @@ class K3Config:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")
         for name in ["routed_scale", "norm_eps", "kda_norm_eps", "init_std"]:
-            if not getattr(self, name) > 0:
-                bad(name, "must be positive", f"set {name} to a value > 0")
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                bad(name, "must be a finite number > 0", f"set {name} to a finite value > 0")
         for name in ["bias_update_rate", "aux_loss_coef"]:
-            if not getattr(self, name) >= 0:
-                bad(name, "must be >= 0", f"set {name} to 0 to disable it")
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                bad(name, "must be a finite number >= 0", f"set {name} to 0 to disable it")
         if self.n_shared_experts > 0 and self.shared_ffn <= 0:
             bad("shared_ffn", "must be positive when n_shared_experts > 0", "set shared_ffn or n_shared_experts = 0")
         if self.layer_pattern:
@@ -159,10 +161,10 @@ class K3Config:
                 bad("layer_pattern", "may only contain 'K' (KDA) and 'M' (MLA)", "use letters K and M")
         if self.attnres not in ("block", "full", "none"):
             bad("attnres", "is not one of block, full, none", "pick attnres = block | full | none")
-        if self.attnres_sources > self.n_layers + 1:
+        if self.attnres == "block" and self.attnres_sources > self.n_layers + 1:  # only block mode reads it
             bad("attnres_sources", f"exceeds n_layers + 1 = {self.n_layers + 1} (embedding + one block per layer)",
                 "use fewer sources, or attnres = full for one source per sublayer")
-        if self.attnres_sources >= 2 and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
+        if self.attnres == "block" and self.attnres_sources >= 2 and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
             real = math.ceil(self.n_layers / self.attnres_block_size)
             bad("attnres_sources", f"asks for {self.attnres_blocks} blocks, but blocks of ceil({self.n_layers}/"
                 f"{self.attnres_blocks}) = {self.attnres_block_size} layers give only {real}",

@@ -324,3 +324,17 @@ def test_router_scores_stay_fp32_under_autocast():
     assert auto.dtype == torch.float32
     assert torch.equal(auto, r.scores(x.bfloat16().float()))
     assert not torch.equal(plain, auto)  # the inputs were bf16; only they differ, not the matmul's precision
+
+
+def test_no_grad_forwards_do_not_steer_the_balance():
+    # a model left in train mode and run under no_grad (a rollout, a probe) is not a training step
+    cfg = get_config("tiny", balancing="bias")
+    m = MoE(cfg).train()
+    x = torch.randn(2, 16, cfg.d_model)
+    with torch.no_grad():
+        m(x)
+    m.router.update_balancing()
+    assert torch.count_nonzero(m.router.bias) == 0
+    m(x).sum().backward()  # a training forward does
+    m.router.update_balancing()
+    assert torch.count_nonzero(m.router.bias) > 0

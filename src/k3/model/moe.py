@@ -105,7 +105,8 @@ class Router(nn.Module):
         if self.balancing == "aux_loss" and self.training:
             seqs = x.shape[0] if x.dim() == 3 else 1
             self.aux_loss = self._sequence_balance_loss(s.view(seqs, -1, self.n_experts), experts.view(seqs, -1, self.top_k))
-        if self.training and self.collect_stats:  # evaluation forwards do not steer the balance
+        # evaluation forwards (eval mode, or no grad on a model left in train mode) do not steer the balance
+        if self.training and self.collect_stats and torch.is_grad_enabled():
             self._accumulate(biased, load)
         return weights, experts
 
@@ -182,7 +183,9 @@ def _column_quantile(u: torch.Tensor, frac: float, bound: float, bins: int) -> t
     One process: exact, the midpoint between the q-th and (q+1)-th largest value, q = round(frac * M).
     Data parallel: rows live on different ranks, so each rank histograms its rows on fixed edges over
     [-bound, bound] (the same on every rank, since b is replicated), one all-reduce sums the [E, bins]
-    counts, and the crossing bin is interpolated linearly; the error is at most 2 * bound / bins.
+    counts, and the crossing bin is interpolated linearly. The result lies in the bin that holds the q-th
+    largest value; with few rows it can differ from the exact midpoint by up to half the gap between the q-th
+    and (q+1)-th values (docs/moe.md measures it).
     """
     if _dist_world() > 1:
         return histogram_column_quantile(u, frac, bound, bins, all_reduce=_all_reduce_sum)
@@ -328,14 +331,17 @@ class RoutedExperts(nn.Module):
         return torch.stack(rows) if rows else x.new_zeros(0, self.dim)
 
     def _loop(self, x, weights, experts, w1, w3, w2):
-        """Per expert: find its tokens, gather, run, scatter-add back (the common eager MoE pattern)."""
+        """Per expert: find its tokens, gather, run, scatter-add back (the common eager MoE pattern). The
+        weights are unbound into per-expert views once: indexing w[e] in the loop would make backward
+        allocate and zero a gradient the size of the whole stacked weight for every expert."""
         y = x.new_zeros(x.shape)
+        w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
         for e in range(self.n_experts):
             tok, slot = torch.where(experts == e)
             if tok.numel() == 0:
                 continue
             xe = x[tok]
-            out = self.quant_act(F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e]
+            out = self.quant_act(F.silu(xe @ w1s[e]) * (xe @ w3s[e])) @ w2s[e]
             y.index_add_(0, tok, out * weights[tok, slot, None])
         return y
 
