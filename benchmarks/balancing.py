@@ -26,7 +26,7 @@ from torch import nn
 
 from k3.config import get_config
 from k3.model.moe import MoE
-from k3.benchtools import bench_out, machine, write_result
+from k3.benchtools import bench_out, machine, write_result, positive_int
 
 METHODS = ("none", "aux_loss", "bias", "quantile")
 
@@ -120,14 +120,17 @@ def train(method: str, cfg, batches: list, steps: int, n_layers: int, batch: int
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=positive_int, default=200)
     ap.add_argument("--quick", action="store_true", help="30 steps, for a smoke test")
     ap.add_argument("--aux-coef", type=float, default=None, help="override aux_loss_coef (config default 1e-4)")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--threads", type=int, default=1,
+    ap.add_argument("--threads", type=positive_int, default=1,
                     help="torch threads (default 1: these ops are small, and on a shared CPU extra threads "
                          "mostly wait at barriers)")
     args = ap.parse_args(argv)
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: {unknown} unknown; choose from {','.join(METHODS)}")
     torch.set_num_threads(args.threads)
     steps = 30 if args.quick else args.steps
     vocab, n_layers, batch, seq, lr = 512, 2, 16, 128, 3e-3

@@ -24,7 +24,7 @@ import torch
 
 from k3.config import get_config
 from k3.data.tokenizer import SPECIAL_TOKENS
-from k3.benchtools import bench_out, loadavg, machine, paired, write_result
+from k3.benchtools import bench_out, loadavg, machine, paired, write_result, positive_int
 from k3.model.cache import HybridCache, KDACache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.transformer import K3Model
@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--preset", default="long")
     ap.add_argument("--contexts", default="1024,8192,65536,262144", help="comma-separated context lengths")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=positive_int, default=15)
     ap.add_argument("--check-context", type=int, default=8192, help="real-prefill check length (0: skip)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--quick", action="store_true", help="contexts 256,1024, 3 repeats: a smoke test")
@@ -181,14 +181,14 @@ def main(argv=None) -> dict:
     repeats = 3 if args.quick else args.repeats
     check = (256 if args.quick else args.check_context) or None
     result = run(args.preset, contexts, repeats, check)
-    write_result(args.out or bench_out("decode", args.quick), result, args.json)
+    path = write_result(args.out or bench_out("decode", args.quick), result, args.json)
     if not args.json:
         for r in result["rows"]:
             print(f"context {r['context']:>8,}: hybrid {r['hybrid']['ms_per_token']:7.2f} ms/token "
                   f"({r['hybrid']['cache_bytes'] / 2**20:8.2f} MiB)  all-MLA {r['all_mla']['ms_per_token']:7.2f} "
                   f"ms/token ({r['all_mla']['cache_bytes'] / 2**20:8.2f} MiB)  speedup {r['speedup']:.2f}x  "
                   f"cache ratio {r['cache_ratio']:.3f}")
-        print(f"wrote {args.out}")
+        print(f"wrote {path}")
     return result
 
 

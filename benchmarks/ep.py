@@ -29,7 +29,7 @@ import time
 import torch
 
 from k3.config import get_config
-from k3.benchtools import bench_out, loadavg, machine, write_result
+from k3.benchtools import bench_out, loadavg, machine, write_result, positive_int
 
 
 
@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats, for smoke tests")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=positive_int, default=None)
     ap.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the skewed routing (default 1.0)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

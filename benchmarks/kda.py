@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from k3.benchtools import bench_out, machine, matmul_peak, write_result
+from k3.benchtools import bench_out, machine, matmul_peak, write_result, positive_int
 from k3.ops.kda import chunk_kda
 
 
@@ -78,8 +78,8 @@ def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shape, few repeats")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs of ours (fla's: 3)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--repeats", type=positive_int, default=None, help="timed runs of ours (fla's: 3)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

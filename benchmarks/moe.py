@@ -20,7 +20,7 @@ import torch
 
 from k3.config import get_config
 from k3.model.moe import MoE, _grouped_backend
-from k3.benchtools import bench_out, loadavg, machine, matmul_peak, paired, write_result
+from k3.benchtools import bench_out, loadavg, machine, matmul_peak, paired, write_result, positive_int
 
 
 
@@ -106,8 +106,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shapes (512 tokens), few repeats")
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--repeats", type=positive_int, default=None)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

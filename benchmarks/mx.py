@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from k3.ops.mx import dequantize_mx, quantize_mx
-from k3.benchtools import bench_out, loadavg, machine as _machine, paired, write_result
+from k3.benchtools import bench_out, loadavg, machine as _machine, paired, write_result, positive_int
 
 TORCHAO_DTYPE = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8": torch.float8_e4m3fn}
 
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shapes, for smoke tests")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=positive_int, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     quant_shape = (512, 1024) if args.quick else (4096, 4096)

@@ -29,6 +29,7 @@ from k3.agentenv.policies import make_policy
 from k3.agentenv.rollout import EpisodeConfig, run_episode, run_rollouts
 from k3.agentenv.sandbox import Session, _popen_kwargs, bwrap_argv, check_sandbox, default_config
 from k3.agentenv.tasks import load_task, load_tasks, tasks_root
+from k3.benchtools import positive_int
 from k3.fileio import atomic_write_text
 
 TARGET_MS = 50.0
@@ -131,8 +132,8 @@ def bench(repeats: int, episodes: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--episodes", type=int, default=16)
+    ap.add_argument("--repeats", type=positive_int, default=15)
+    ap.add_argument("--episodes", type=positive_int, default=16)
     ap.add_argument("--out", default="runs/bench/sandbox.json")
     args = ap.parse_args(argv)
     res = bench(args.repeats, args.episodes)

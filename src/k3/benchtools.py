@@ -19,6 +19,19 @@ import torch
 from k3.fileio import atomic_write_json
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts (repeats, steps, threads): an integer >= 1, else a one-line usage error."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value
+
+
 def loadavg() -> float | None:
     """The 1-minute load average (None where the OS has none): how busy the machine was."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
