@@ -152,3 +152,29 @@ def test_optimizer_list_state_dict_mismatch():
         opt.load_state_dict({"adamw": {}})
     assert isinstance(opt, OptimizerList)
     assert not math.isnan(sum(g["lr"] for g in opt.param_groups))
+
+
+def test_fused_adamw_takes_the_per_tensor_steps():
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+
+    # float64: in float32, AdamW's normalised step turns rounding noise in near-zero gradients into
+    # differences of ~1e-6 (a small fraction of the lr 1e-2 step) between any two summation orders
+    torch.manual_seed(0)
+    a = K3Model(get_config("tiny")).double()
+    b = K3Model(get_config("tiny")).double()
+    b.load_state_dict(a.state_dict())
+    fused = build_optimizer(a, "adamw", lr=1e-2)
+    assert fused.optimizers["adamw"].defaults["fused"]
+    plain = build_optimizer(b, "adamw", lr=1e-2)
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in plain.optimizers["adamw"].param_groups]
+    plain.optimizers["adamw"] = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    assert not plain.optimizers["adamw"].param_groups[0]["fused"]  # the per-tensor form
+    ids = torch.randint(0, a.config.vocab_size, (2, 12))
+    for _ in range(3):
+        for m, opt in ((a, fused), (b, plain)):
+            opt.zero_grad()
+            m(ids[:, :-1]).logsumexp(-1).mean().backward()
+            opt.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=n)
