@@ -415,4 +415,3 @@ def _failed(failures: dict, key: str, run: str, err: BaseException) -> None:
     msg = f"{type(err).__name__}: {err}"
     failures[key] = {"run": run, "error": msg}
     log.warning("run %s failed (%s); the suite goes on without it", run, msg)
-

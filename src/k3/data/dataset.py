@@ -376,4 +376,3 @@ def _not_empty(documents: Iterable[Document], description: str, excluded: list[d
         raise ValueError(f"every validation document of {description} is at least {threshold:.0%} lines of the "
                          f"training split ({len(excluded)} left out); raise --decontaminate (1 keeps all but exact "
                          "copies, 0 keeps everything) or give more distinct text")
-

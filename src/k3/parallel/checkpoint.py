@@ -220,4 +220,3 @@ def as_manifest(meta: dict) -> dict:
     return {"format": meta["format"], "step": int(meta["step"]), "config": meta["config"],
             "data": meta.get("data") or {}, "extra": {"tokens": meta.get("tokens", 0), "train": meta.get("train")},
             "path": meta["path"], "distributed": {"dims": meta.get("dims")}}
-
