@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 Document = tuple[str, str]  # (doc_id, text)
 
 STDLIB = "stdlib"
+STDLIB_SOURCE = "python-stdlib"  # how a stdlib corpus's description starts (then the Python version and path)
 DEFAULT_VAL_FRACTION = 0.02
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 # Path components that mark a test suite (test/, tests/, idlelib/idle_test, lib2to3/tests, ctypes/test, ...).
@@ -244,7 +245,7 @@ def open_corpus(spec: str | os.PathLike | None = None, *, val_fraction: float = 
     or a `.jsonl` file."""
     if spec is None or str(spec) == STDLIB:
         root = stdlib_root()
-        desc = f"python-stdlib {platform.python_version()} ({root})"
+        desc = f"{STDLIB_SOURCE} {platform.python_version()} ({root})"
         return Corpus(_file_entries(stdlib_files(root)), desc, val_fraction)
     s = os.path.expanduser(str(spec))
     path = Path(s)
