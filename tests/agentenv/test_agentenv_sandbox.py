@@ -136,3 +136,15 @@ def test_agent_commands_cannot_reach_the_executor(sandbox):
         assert out.count("Permission denied") == 3, out
         assert s.run("echo consistent")["output"] == "consistent\n"
         assert s.export() == []
+
+
+def test_exit_codes_are_the_commands_own(sandbox):
+    """A command whose output ends before it exits (coreutils close stdout first; this script closes both
+    streams, waits, then exits 3) reports its own exit status, not -9 from the cleanup kill nor 0 from a
+    status reaped by the cleanup."""
+    with Session(FILES, sandbox) as s:
+        for cmd, want in [("ls", 0), ("ls /nonexistent", 2), ("cat a.py", 0), ("grep zzz a.py", 1),
+                          ("exec 2>&-; sleep 0.2; exec >&-; sleep 0.1; exit 3", 3)]:
+            for _ in range(3):
+                r = s.run(cmd)
+                assert r["ok"] and r["exit_code"] == want and not r["timed_out"], (cmd, r)

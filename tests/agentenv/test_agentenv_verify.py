@@ -142,3 +142,20 @@ def test_hidden_python_cases_see_the_pinned_hash_seed(sandbox, tmp_path):
     task = load_task(root)
     snap = snapshot_from_files(task.workspace_files())
     assert [V.verify(task, snap, sandbox).reward for _ in range(4)] == [1.0] * 4
+
+
+def test_command_checks_grade_the_real_exit_code(sandbox):
+    """files-greet-exec expects exit code 0: a correct script that execs /usr/bin/printf (which closes its
+    output before exiting) passes, and one that prints the right text but exits 7 after closing its output
+    fails. Both were misgraded when the probe killed or reaped the child before waiting for it."""
+    from k3.agentenv import ScriptedPolicy, load_tasks, run_episode
+    from k3.agentenv.actions import Action
+
+    task = load_tasks("files-greet-exec")[0]
+    for script, reward in [('#!/bin/sh\nexec /usr/bin/printf "Hello, %s!\\n" "${1:-world}"\n', 1.0),
+                           ('#!/bin/sh\necho "Hello, ${1:-world}!"\nexec 2>&-\nsleep 0.2\nexec >&-\nexit 7\n', 0.0)]:
+        steps = [Action("write", {"path": "bin/greet", "content": script}),
+                 Action("run", {"command": "chmod +x bin/greet"})]
+        for seed in range(4):  # the misgrading was a race: several episodes
+            r = run_episode(task, ScriptedPolicy(steps), seed=seed)
+            assert r["status"] == "finished" and r["reward"] == reward, (script, seed, r["verifier"])

@@ -215,11 +215,21 @@ def op_run(req):
         tail += chunk
         if len(tail) > limit // 2:
             del tail[: len(tail) - limit // 2]
+    rc = None
+    if not timed_out:
+        # the output can end before the command does (coreutils close stdout before they exit): wait for
+        # its real exit status first, so that neither the kill below (-9) nor kill_leftovers' reaping (which
+        # would leave proc.wait() a status of 0) decides the exit code
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
     kill_leftovers(proc.pid)
-    try:
-        rc = proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        rc = None
+    if rc is None:
+        try:
+            rc = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            rc = None
     proc.stdout.close()
     dropped = total - len(head) - len(tail)
     text = head.decode("utf-8", "replace")

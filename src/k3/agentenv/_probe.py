@@ -153,15 +153,24 @@ def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536,
             total[name] += len(chunk)
             if len(buf) < cap:
                 buf += chunk[: cap - len(buf)]
+    rc = None
+    if not timed_out:
+        # output closed is not the process gone (coreutils close stdout before exiting): take its real
+        # exit status before the kill (-9) or kill_leftovers' reaping (a lost status reads as 0) can
+        try:
+            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
     kill_leftovers()
-    try:
-        rc = proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        rc = None
+    if rc is None:
+        try:
+            rc = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            rc = None
     if rfd is not None:
         os.close(rfd)
     for s in (proc.stdout, proc.stderr, proc.stdin):
