@@ -400,8 +400,8 @@ class LRUCache:
                 "c.get('x')\nc.put('z', 3)\nresult = [c.get('x'), c.get('y'), c.get('z')]",
                 V([1, None, 3])),
                ("f2p_chain", "F2P", "c = LRUCache(3)\nfor k in 'abc':\n    c.put(k, k.upper())\n"
-                "c.get('a')\nc.get('b')\nc.put('d', 'D')\nresult = sorted(c._data)",
-                V(["a", "b", "d"]))]),
+                "c.get('a')\nc.get('b')\nc.put('d', 'D')\nresult = [c.get(k) for k in 'abcd']",
+                V(["A", "B", None, "D"]))]),  # the public API only: a fix may rename the storage
     dict(
         id="pyfix-snake", module="naming.py", title="camel_to_snake splits acronyms",
         issue="`camel_to_snake('parseHTTPResponse')` returns 'parse_h_t_t_p_response'; acronyms "
@@ -502,8 +502,8 @@ def decode(code):
                ("p2p_decode", "P2P", "decode('3a1b')", V("aaab")),
                ("p2p_empty", "P2P", "[encode(''), decode('')]", V(["", ""])),
                ("f2p_long", "F2P", "decode('15z2y')", V("z" * 15 + "yy")),
-               ("f2p_roundtrip", "F2P", "s = 'x' * 23 + 'yz' + 'q' * 100\nresult = decode(encode(s)) == s",
-                V(True))]),
+               ("f2p_roundtrip", "F2P", "s = 'x' * 23 + 'yz' + 'q' * 100\nresult = decode(encode(s))",
+                V("x" * 23 + "yz" + "q" * 100))]),  # compared on the host, exact type: no always-equal object
     dict(
         id="pyfix-version", module="versions.py", title="version comparison is lexicographic",
         issue="`compare_versions('1.10', '1.9')` returns -1 but 1.10 is newer than 1.9; parts are "
