@@ -159,3 +159,12 @@ def test_command_checks_grade_the_real_exit_code(sandbox):
         for seed in range(4):  # the misgrading was a race: several episodes
             r = run_episode(task, ScriptedPolicy(steps), seed=seed)
             assert r["status"] == "finished" and r["reward"] == reward, (script, seed, r["verifier"])
+
+
+def test_a_check_workspace_must_be_one_top_level_directory():
+    from k3.agentenv.verify import _public
+
+    assert _public({"id": "c", "kind": "python", "workspace": "a0001"})["workspace"] == "a0001"
+    for bad in ("../x", "a/b", ".", "", ".hidden", 3):
+        with pytest.raises(ValueError, match="one top-level directory"):
+            _public({"id": "c", "kind": "python", "workspace": bad})

@@ -186,6 +186,12 @@ def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536,
     return out
 
 
+def sub_entries(entries, top):
+    """The entries under the top-level directory `top`, re-rooted there."""
+    prefix = top + "/"
+    return [dict(e, path=e["path"][len(prefix):]) for e in entries if e["path"].startswith(prefix)]
+
+
 def python_group(checks, runners, entries):
     materialize(entries)
     # one budget for the whole group: honest cases take milliseconds, so a loop or a bomb in the
@@ -269,9 +275,15 @@ def main():
     payload = json.loads(sys.stdin.buffer.read())
     entries, checks, runners = payload["entries"], payload["checks"], payload["runners"]
     observations = {}
-    py = [c for c in checks if c["kind"] == "python"]
-    if py:
-        observations.update(python_group(py, runners, entries))
+    # python checks run as one group per `workspace` (a top-level directory of the snapshot, or the whole of
+    # it): each group in its own process, on a fresh copy of only its directory, made the workspace root, so
+    # code under test in one group can neither see nor import nor signal another group's
+    groups = {}
+    for c in checks:
+        if c["kind"] == "python":
+            groups.setdefault(c.get("workspace") or "", []).append(c)
+    for ws, group in sorted(groups.items()):
+        observations.update(python_group(group, runners, sub_entries(entries, ws) if ws else entries))
     dbs = {}
     for c in checks:
         if c["kind"] in ("sql", "sql_schema"):

@@ -252,6 +252,10 @@ def _runners() -> dict[str, str]:
 
 def _public(c: dict) -> dict:
     """What of a check may enter the verification sandbox: everything except expectations."""
+    ws = c.get("workspace")
+    if ws is not None and (not isinstance(ws, str) or not ws or "/" in ws or ws in (".", "..")
+                           or ws.startswith(".")):
+        raise ValueError(f"check {c.get('id')!r}: workspace {ws!r} must name one top-level directory")
     return {k: v for k, v in c.items() if k not in ("expect", "label", "note")}
 
 

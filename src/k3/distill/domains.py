@@ -142,32 +142,30 @@ class PyFunc(Domain):
     def check(self, problems, answers):
         """Run every answer's hidden cases in one fresh sandbox; an answer scores 1 if all its cases match.
 
-        All answers share one case-runner process, so an answer that kills it (`os._exit`, a runaway
-        loop) silences the answers after it: those are run again without the first silent one, which
-        scores 0. Each round settles at least one answer; honest batches need one sandbox."""
-        scores: dict[int, float] = {}
-        pending = list(range(len(problems)))
-        while pending:
-            ok, silent = self._run(problems, answers, pending)
-            for i in pending:
-                if i not in silent:
-                    scores[i] = ok[i]
-            if silent:
-                scores[silent[0]] = 0.0
-            pending = silent[1:]
-        return [scores[i] for i in range(len(problems))]
+        Each answer is alone: its file sits in a directory of its own, which the probe makes the whole
+        workspace of that answer's cases, run in a process of their own. So an answer can neither import nor
+        sabotage another (nor report for it), and one that kills its process or loops fails only itself.
+        A sandbox takes as many answers as its time limit covers if every one of them ran out its own."""
+        from k3.agentenv.sandbox import default_config
 
-    def _run(self, problems, answers, rows: list[int]) -> tuple[dict[int, float], list[int]]:
+        lim = (self.sandbox_config or default_config()).limits
+        per = max(1, int(lim.verify_timeout_s // (lim.check_timeout_s + 2.0)))
+        scores = []
+        for k in range(0, len(problems), per):
+            scores += self._run(problems[k:k + per], answers[k:k + per])
+        return scores
+
+    def _run(self, problems, answers) -> list[float]:
         from k3.agentenv.tasks import Task
         from k3.agentenv.verify import snapshot_from_files, verify
 
         files, checks = {}, []
-        for i in rows:
-            p, a = problems[i], answers[i]
-            files[f"cand_{i:04d}.py"] = (a.encode("utf-8", "replace") + b"\n", 0o644)
+        for i, (p, a) in enumerate(zip(problems, answers)):
+            files[f"a{i:04d}/cand.py"] = (a.encode("utf-8", "replace") + b"\n", 0o644)
             for j, (xs, want) in enumerate(zip(p.data["cases"], p.data["expect"])):
                 checks.append({"id": f"c{i}_{j}", "kind": "python", "label": "F2P", "timeout": 2,
-                               "code": f"from cand_{i:04d} import f\nresult = f({xs!r})", "expect": {"value": want}})
+                               "workspace": f"a{i:04d}", "code": f"from cand import f\nresult = f({xs!r})",
+                               "expect": {"value": want}})
         task = Task(id="distill-pyfunc", family="pyfix", title="pyfunc answers", instruction="", root=Path("."),
                     manifest={}, checks=tuple(checks), solution=())
         res = verify(task, snapshot_from_files(files), self.sandbox_config)
@@ -175,13 +173,8 @@ class PyFunc(Domain):
             raise ValueError(f"pyfunc checker: the verification sandbox failed ({res.error}); run "
                              "`k3 agentenv check`")
         by_id = {c["id"]: c for c in res.checks}
-        ok, silent = {}, []
-        for i in rows:
-            cs = [by_id[f"c{i}_{j}"] for j in range(len(problems[i].data["cases"]))]
-            ok[i] = float(all(c["ok"] for c in cs))
-            if any("did not report" in c["reason"] for c in cs):
-                silent.append(i)
-        return ok, silent
+        return [float(all(by_id[f"c{i}_{j}"]["ok"] for j in range(len(p.data["cases"]))))
+                for i, p in enumerate(problems)]
 
 
 # ---------------------------------------------------------------------- text
