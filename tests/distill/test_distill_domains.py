@@ -45,6 +45,11 @@ def test_arith_traces_compute_the_sum(domains):
 def test_text_words_from_the_corpus(domains):
     t = domains["text"]
     assert set(t.pools["train"]) == set(t.pools["eval"]) == set(dm.corpus_words())
+    # a shipped list, not the installed Python's: the same problems on every machine
+    words = dm.corpus_words()
+    assert list(words) == sorted(set(words)) and len(words) == 576
+    assert all(4 <= len(w) <= 8 and w.replace("_", "").isalpha() and w.islower() for w in words)
+    assert set(dm.stdlib_words()) and all(4 <= len(w) <= 8 for w in dm.stdlib_words())
     ps = [t.sample(dm.problem_rng("e", i), "eval") for i in range(20)]
     assert [p.answer for p in ps] == [p.data["word"][::-1] for p in ps] and ps[0].text.startswith("reverse ")
     held = dm.Text(held_out=True, op="upper")

@@ -6,8 +6,8 @@
   pyfunc  a small Python function over a list from a one-line spec ("f(xs): sum of square for even x");
           answer the code; scored by hidden cases run in AgentENV's bubblewrap sandbox (k3.agentenv).
           traces: high = each spec word with its code fragment, medium = the fragments, low = the reducer.
-  text    reverse an identifier drawn from the embedded corpus (function names in the Python standard
-          library, k3.data.corpus); exact match. traces: high = the word spelled forward then backward,
+  text    reverse an identifier from a shipped list (text_words.txt: function names taken once from the
+          Python standard library, `stdlib_words`); exact match. traces: high = the word spelled forward then backward,
           medium = spelled backward, low = the first half of it.
 
 A trace is a list of steps; `trace_text` keeps the longest prefix of steps whose tokens fit the effort's
@@ -178,19 +178,29 @@ class PyFunc(Domain):
 
 
 # ---------------------------------------------------------------------- text
+WORDS_FILE = Path(__file__).with_name("text_words.txt")
+
+
 @functools.lru_cache(maxsize=1)
-def corpus_words(max_bytes: int = 6_000_000) -> tuple[str, ...]:
-    """Function names (4-8 characters of a-z and _) defined in the first `max_bytes` of the stdlib corpus."""
+def corpus_words() -> tuple[str, ...]:
+    """The text domain's identifiers: a list shipped with k3 (text_words.txt), the same on every machine.
+    It was made by `stdlib_words()` from the standard library of Python 3.11.7; deriving it from whichever
+    Python is installed changed most text problems between machines."""
+    words = tuple(w for w in WORDS_FILE.read_text(encoding="utf-8").split() if w)
+    if len(words) < 50:
+        raise ValueError(f"{WORDS_FILE} holds only {len(words)} identifiers; reinstall k3")
+    return words
+
+
+def stdlib_words(max_bytes: int = 6_000_000) -> tuple[str, ...]:
+    """Function names (4-8 characters of a-z and _) defined in the first `max_bytes` of the installed
+    standard library: how text_words.txt was made."""
     from k3.data.corpus import iter_documents
 
     words = set()
     for _, text in iter_documents("stdlib", "all", max_bytes=max_bytes):
         words.update(re.findall(r"^\s*def ([a-z][a-z_]{3,7})\(", text, re.M))
-    out = tuple(sorted(w for w in words if not w.endswith("_") and "__" not in w))
-    if len(out) < 50:
-        raise ValueError(f"the stdlib corpus gave only {len(out)} identifiers for the text domain; is the "
-                         "Python standard library installed with its sources?")
-    return out
+    return tuple(sorted(w for w in words if not w.endswith("_") and "__" not in w))
 
 
 def word_split(word: str) -> str:
