@@ -88,6 +88,24 @@ def test_generate_greedy_equals_k3_generate_and_uses_the_hybrid_cache():
     assert [n for n, _ in seen] == [9] + [1] * 11 and all(c is K3GenerationCache for _, c in seen)
 
 
+def test_generate_takes_a_plain_k3_cache_and_refuses_a_too_long_request_up_front():
+    m = k3_model()
+    hf = K3ForCausalLM.from_k3(m, eos_token_id=None).eval()
+    ids = prompt(1, 6)
+    cache = m.new_cache()  # K3Model's plain HybridCache, as the error messages suggest
+    assert torch.equal(hf.generate(ids, cache=cache, max_new_tokens=4, do_sample=False),
+                       hf.generate(ids, max_new_tokens=4, do_sample=False))
+    L = m.config.max_context
+    calls = []
+    inner = hf.model.hidden_states
+    hf.model.hidden_states = lambda x, cache=None: (calls.append(x.shape[1]), inner(x, cache))[1]
+    with pytest.raises(ValueError, match="prompt \\+ max_new_tokens needs"):
+        hf.generate(prompt(1, L - 3), max_new_tokens=8, do_sample=False)
+    assert calls == []  # refused before any forward
+    hf.model.hidden_states = inner
+    assert hf.generate(prompt(1, L - 4), max_new_tokens=4, do_sample=False).shape == (1, L)
+
+
 def test_generate_with_chunked_prefill_and_continuing_from_a_returned_cache():
     hf = K3ForCausalLM.from_k3(k3_model(), eos_token_id=None).eval()
     ids = prompt(2, 11, seed=4)
@@ -154,9 +172,14 @@ def test_tokenizer_round_trip_as_pretrained_tokenizer_fast(tok, tmp_path):
     check_tokenizer(hf, vocab_size=VOCAB)
 
 
-def test_export_hf_from_a_training_checkpoint(tok, tmp_path):
+def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
     model = k3_model()
-    save_checkpoint(tmp_path / "ckpt", 7, model, config=model.config, data_state={"tokenizer": str(tok.path)})
+    save_checkpoint(tmp_path / "ckpt", 7, model, config=model.config,
+                    data_state={"tokenizer": str(tok.path), "tokenizer_hash": tok.fingerprint})
+    # another tokenizer of the same size would export silently with other token ids
+    assert serve_tokenizer.vocab_size == tok.vocab_size and serve_tokenizer.fingerprint != tok.fingerprint
+    with pytest.raises(ValueError, match="is not the one the checkpoint's training data was tokenized with"):
+        export_hf(tmp_path / "ckpt", tmp_path / "wrong", tokenizer_path=serve_tokenizer.path)
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf")  # tokenizer found through the manifest
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
         {p.name for p in out.iterdir()}
@@ -185,6 +208,9 @@ def test_k3_export_format_hf_cli(tok, tmp_path, capsys):
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--format", "hf",
                  "--overwrite", "--tokenizer", str(tok.path)]) == 0
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "mx"), "--tokenizer", str(tok.path)]) != 0
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"), "--format", "hf",
+                 "--activations", "mxfp8"]) == 2
+    assert "--activations applies to --format mx only" in capsys.readouterr().err
 
 
 def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):

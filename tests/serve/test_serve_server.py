@@ -141,6 +141,15 @@ def test_streaming_completion_and_chat(server_url, tiny_model, serve_tokenizer):
         lines = [ln for ln in resp.iter_lines() if ln]
     assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
     assert json.loads(lines[0][6:])["object"] == "text_completion"
+    # with include_usage, every chunk but the last carries "usage": null, as OpenAI's do
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        with httpx.stream("POST", server_url + path, timeout=30,
+                          json={"model": MODEL, "max_tokens": 4, "stream": True, **body,
+                                "stream_options": {"include_usage": True}}) as resp:
+            data = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln and ln != "data: [DONE]"]
+        assert all("usage" in d and d["usage"] is None for d in data[:-1]), path
+        assert data[-1]["choices"] == [] and data[-1]["usage"]["completion_tokens"] >= 1
 
 
 # ---------------------------------------------------------------------- errors
@@ -172,6 +181,8 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model):
         _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                              field: value}), 400, field)
     _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}), 400, "frobnicate")
+    for value in (0, 1, False):  # OpenAI answers logprobs=0 with a logprobs object; this server has none
+        _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": value}), 400, "logprobs")
     _error(post("/v1/completions", {"model": MODEL, "prompt": [0, 99999]}), 400, "prompt")
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "y"}]}), 400, "messages")
@@ -283,6 +294,10 @@ def test_engine_failure_stopped_worker_and_api_key(tiny_model, serve_tokenizer):
             client(url).models.list()
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0, timeout=30)
         assert good.models.list().data[0].id == MODEL
+        # a non-ASCII key is a 401, not a 500; the scheme's case does not matter (RFC 7235)
+        latin = {"Authorization": "Bearer s\xe9krit".encode("latin-1")}
+        assert httpx.get(url + "/v1/models", headers=latin).status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "bearer sekrit"}).status_code == 200
         auth = {"Authorization": "Bearer sekrit"}
         body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "ignore_eos": True}
         engine.fail_next = True

@@ -31,6 +31,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
     if args.format == "hf":
+        if args.activations != "keep":
+            raise ValueError("--activations applies to --format mx only (the HF export keeps the checkpoint's "
+                             "config)")
         return cmd_export_hf(args)
     if args.tokenizer is not None:
         raise ValueError("--tokenizer applies to --format hf only")

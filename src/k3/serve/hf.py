@@ -143,6 +143,15 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         cache = model_kwargs.get("cache")
         if cache is not None and not isinstance(cache, HybridCache):
             raise ValueError(f"cache must be k3's hybrid cache (model.new_cache()), got {type(cache).__name__}")
+        if cache is not None and not isinstance(cache, K3GenerationCache):
+            cache.__class__ = K3GenerationCache  # a plain one from K3Model.new_cache(): same state, generate's members
+        # the longest sequence the cache will hold (prompt + new tokens - 1): refuse it before any work, not
+        # after some tokens were made and lost (transformers passes it as max_cache_length)
+        longest = kwargs.get("max_cache_length", args[-1] if args else None)
+        limit = self.model.config.max_context
+        if isinstance(longest, int) and not isinstance(longest, bool) and longest > limit:
+            raise ValueError(f"prompt + max_new_tokens needs {longest + 1} positions but max_context is {limit}; "
+                             "shorten the prompt or lower max_new_tokens")
         if generation_config.cache_implementation is not None:
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported: "
                              "K3 generates with its own hybrid cache (KDA states + MLA latents)")
@@ -366,6 +375,11 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
             hint = "" if tokenizer_path else " (the path the checkpoint's manifest names; pass tokenizer_path)"
             raise ValueError(f"{err}{hint}") from None
         check_tokenizer(tok, model.config)
+        trained = (manifest.get("data") or {}).get("tokenizer_hash")
+        if trained and getattr(tok, "fingerprint", trained) != trained:
+            raise ValueError(f"tokenizer {named} is not the one the checkpoint's training data was tokenized with "
+                             f"(fingerprint {tok.fingerprint[:12]}..., the checkpoint's {trained[:12]}...): "
+                             "the exported model would read other token ids; pass the training tokenizer")
     else:
         log.warning("no tokenizer given and the checkpoint names none: exporting the model only")
     hf = K3ForCausalLM.from_k3(model)

@@ -263,7 +263,11 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
     def check_auth(request: Request) -> None:
         # a plain check in each handler: an HTTP middleware would sit between the stream and disconnects
-        if api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
+        # bytes: compare_digest refuses non-ASCII str (a client's header would give a 500); the scheme is
+        # case-insensitive (RFC 7235)
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode("utf-8", "surrogateescape"), api_key.encode("utf-8", "surrogateescape"))):
             raise APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
@@ -354,7 +358,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
             raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
         if body.get("suffix"):
             raise bad("suffix (insertion) is not supported", "suffix", "unsupported_parameter")
-        if body.get("logprobs") not in (None, 0):
+        if body.get("logprobs") is not None:  # OpenAI returns a logprobs object even for 0
             raise bad("logprobs is not supported by this server", "logprobs", "unsupported_parameter")
         echo = bool(_get(body, "echo", (bool,), False, "must be true or false"))
         stream = bool(_get(body, "stream", (bool,), False, "must be true or false"))
@@ -390,7 +394,8 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
                         continue
                     yield _sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                                 "choices": [{"index": index, "text": text, "logprobs": None,
-                                             "finish_reason": ev.finish_reason}]})
+                                             "finish_reason": ev.finish_reason}],
+                                **({"usage": None} if include_usage else {})})  # as OpenAI: null but the last
                 if include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
                                 "choices": [], "usage": usage()})
@@ -448,7 +453,8 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
         def chunk(index: int, delta: dict, finish: str | None = None) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                         **({"usage": None} if stream and include_usage else {})})  # as OpenAI: null but the last
 
         if stream:
             async def chunks():
