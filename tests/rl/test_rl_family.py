@@ -18,6 +18,22 @@ def test_tasks_are_verified_by_their_checks(rl_tasks, sandbox_ok):
         assert run_episode(task, make_policy({"kind": "reference"}, task), seed=i)["reward"] == 1.0
 
 
+def test_number_answers_are_graded_by_value_not_by_bytes(rl_tasks, sandbox_ok):
+    """"write the number": with or without a newline, padded or CRLF, the right number passes; a wrong one,
+    or none, does not."""
+    from k3.agentenv import ScriptedPolicy
+    from k3.agentenv.actions import Action
+
+    task = next(t for t in rl_tasks["train"] if "-calc-" in t.id)
+    a, b = (int(x) for x in (task.root / "workspace" / "expr.txt").read_text().split("*"))
+    value = a * b
+    for text, reward in [(f"{value}", 1.0), (f" {value}\n", 1.0), (f"{value}\r\n", 1.0), (f"{value}\n\n", 1.0),
+                         (f"{value + 1}\n", 0.0), ("", 0.0)]:
+        steps = [Action("write", {"path": "answer.txt", "content": text})] if text else []
+        r = run_episode(task, ScriptedPolicy(steps), seed=0)
+        assert r["reward"] == reward, (repr(text), r["verifier"])
+
+
 def test_splits_do_not_overlap():
     assert not set(WORDS["train"]) & set(WORDS["heldout"]) and not set(ITEMS["train"]) & set(ITEMS["heldout"])
     def facts(split):

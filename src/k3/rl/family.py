@@ -69,6 +69,14 @@ def _sha(text: str) -> dict:
     return {"sha256": sha256_bytes(text.encode())}
 
 
+def _number_check(value: int) -> dict:
+    """answer.txt holds `value`, give or take surrounding whitespace (the instruction only says "write the
+    number"): read by a Python that imports nothing from the workspace (-I -S)."""
+    return {"id": "answer", "kind": "command", "label": "F2P",
+            "argv": ["python3", "-I", "-S", "-c", "import sys; sys.stdout.write(open('answer.txt').read().strip())"],
+            "expect": {"stdout": str(value)}}
+
+
 COMMANDS = {  # one fixed command per kind: the tool reads the facts from the workspace
     "calc": "echo $(( $(cat expr.txt) )) > answer.txt",
     "count": "grep -c -f word.txt data.txt > answer.txt",
@@ -94,11 +102,8 @@ def task_spec(kind: str, split: str, index: int) -> dict:
     if kind == "calc":
         lo, hi = (12, 69) if split == "train" else (71, 99)  # disjoint operands per split
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        answer = f"{a * b}\n"
         return dict(common, family="files", title="Evaluate expr.txt",
-                    workspace={"expr.txt": f"{a} * {b}\n"},
-                    checks=[{"id": "answer", "kind": "file", "label": "F2P", "path": "answer.txt",
-                             "expect": _sha(answer)}])
+                    workspace={"expr.txt": f"{a} * {b}\n"}, checks=[_number_check(a * b)])
     if kind == "count":
         word = rng.choice(WORDS[split])
         n_lines = rng.randint(8, 16)
@@ -114,8 +119,7 @@ def task_spec(kind: str, split: str, index: int) -> dict:
         data = "\n".join(lines) + "\n"
         return dict(common, family="files", title="Count the lines with a word",
                     workspace={"data.txt": data, "word.txt": f"{word}\n"},
-                    checks=[{"id": "answer", "kind": "file", "label": "F2P", "path": "answer.txt",
-                             "expect": _sha(f"{hits}\n")},
+                    checks=[_number_check(hits),
                             {"id": "data", "kind": "file", "label": "P2P", "path": "data.txt",
                              "expect": _sha(data)}])
     names = rng.sample(ITEMS[split], 4)
