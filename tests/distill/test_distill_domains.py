@@ -127,3 +127,16 @@ def test_pyfunc_answers_cannot_reach_each_other(domains):
     answers = [ps[0].answer, borrow, saboteur, ps[3].answer]
     ps[1] = ps[0]  # the borrower's problem is the honest first answer's: copying it would pass
     assert dom.check(ps, answers) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_pyfunc_hidden_cases_tell_the_spec_from_every_other(domains):
+    """No other spec of the 279 passes a problem's hidden cases (4 random short lists let about a quarter of
+    the problems accept another spec's function)."""
+    specs = dm.pyfunc_specs()
+    assert len(specs) == 279
+    dom = domains["pyfunc"]
+    for i in range(150):
+        p = dom.sample(dm.problem_rng("eval", 1, i))
+        cases, expect = p.data["cases"], p.data["expect"]
+        passing = [s for s in specs if all(dm._pyfunc_ref(*s, xs) == e for xs, e in zip(cases, expect))]
+        assert len(passing) == 1 and 4 <= len(cases) <= dom.max_cases, (p.text, passing)

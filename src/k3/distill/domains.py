@@ -103,9 +103,17 @@ def _pyfunc_ref(red: str, mapping: tuple[str, int], filt: tuple[str, int], xs: l
     return ys
 
 
+def pyfunc_specs() -> list[tuple[str, tuple[str, int], tuple[str, int]]]:
+    """Every (reducer, mapping, filter) the domain can ask for: 279, all different functions."""
+    maps = [("same", 0), ("square", 0)] + [("times", k) for k in range(2, 5)] + [("plus", k) for k in range(1, 6)]
+    filts = [("every", 0), ("even", 0), ("odd", 0)] + [("over", t) for t in range(6)]
+    return [(r, m, f) for r in _REDUCERS for m in (maps if r != "count" else [("same", 0)]) for f in filts]
+
+
 class PyFunc(Domain):
     name = "pyfunc"
-    n_cases = 4
+    n_cases = 4       # random cases first, then more until no other spec passes them all
+    max_cases = 12
 
     def __init__(self, sandbox_config=None):
         self.sandbox_config = sandbox_config
@@ -126,6 +134,20 @@ class PyFunc(Domain):
                 "count": f"len([x for x in xs{f_code}])"}[red]
         code = f"def f(xs):\n    return {body}"
         cases = [[rng.randint(-5, 9) for _ in range(rng.randint(0, 6))] for _ in range(self.n_cases)]
+        # the hidden cases must tell this spec from every other one the domain asks for: otherwise a wrong
+        # function that agrees on a few short lists passes (4 random cases let 55 of 200 problems accept
+        # another spec's function)
+        spec = (red, mapping, filt)
+        rivals = [s for s in pyfunc_specs() if s != spec]
+        same = [s for s in rivals if all(_pyfunc_ref(*s, xs) == _pyfunc_ref(*spec, xs) for xs in cases)]
+        for _ in range(1000):  # bounded; in practice a few draws
+            if not same or len(cases) >= self.max_cases:
+                break
+            xs = [rng.randint(-5, 9) for _ in range(rng.randint(3, 8))]
+            want = _pyfunc_ref(*spec, xs)
+            if any(_pyfunc_ref(*s, xs) != want for s in same):
+                cases.append(xs)
+                same = [s for s in same if _pyfunc_ref(*s, xs) == want]
         expect = [_pyfunc_ref(red, mapping, filt, xs) for xs in cases]
         return Problem(self.name, f"f(xs): {red} of {m_word} for {f_word}", code,
                        {"cases": cases, "expect": expect, "steps": [(f_word, f_code.strip() or "all"),
