@@ -12,7 +12,8 @@ teacher of the prompt's cell with the reverse KL at that position:
            Machines' "On-policy distillation" (Lu et al., 2025) and MiMo-V2-Flash's MOPD (arXiv 2601.02780),
            whose per-token advantage is sg[log pi_T - log pi_S] with the teacher chosen per domain.
 
-Both are averaged over all completion tokens of the batch. Forced tokens (the budget's `<|/think|>`, the
+The full form is averaged over all completion tokens of the batch, the sampled estimator over the sampled
+(not forced) ones. Forced tokens (the budget's `<|/think|>`, the
 answer cap's `<|end|>`) were not drawn from the student: the full form trains them like any position
 (it does not depend on the token taken), the sampled estimator skips them. An optional verifier reward
 adds REINFORCE on the domain checks: -coef * (r - mean r) * sum_t log p_s(x_t) / tokens.
