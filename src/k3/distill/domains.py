@@ -1,8 +1,8 @@
 """Three domains with automatic checks, each with reasoning traces at three levels of detail.
 
-  arith   sums of 3-6 digits ("sum 3+5+2+7"); answer the integer; exact match.
-          traces: high = every step as an equation ("3+5=8 8+2=10 10+7=17"), medium = every running sum
-          ("8 10 17"), low = every second running sum ("10 17").
+  arith   sums of 2-5 digits ("sum 3+5+2+7"); answer the integer; exact match.
+          traces: high = the sum rewritten with its first two terms added, until one number is left
+          ("8+2+7 10+7 17"), medium = every running sum ("8 10 17"), low = every second running sum ("10").
   pyfunc  a small Python function over a list from a one-line spec ("f(xs): sum of square for even x");
           answer the code; scored by hidden cases run in AgentENV's bubblewrap sandbox (k3.agentenv).
           traces: high = each spec word with its code fragment, medium = the fragments, low = the reducer.
