@@ -193,3 +193,18 @@ def test_a_cached_result_of_other_trainer_settings_is_rerun(data, tmp_path):
     assert runner.cached_result(tmp_path, spec) is None
     path.write_text(json.dumps({k: v for k, v in res.items() if k != "trainer"}))  # results of older k3: kept
     assert runner.cached_result(tmp_path, spec) is not None
+
+
+def test_a_rerun_trained_run_reruns_its_ptq(data, tmp_path, counted):
+    data_dir, files = data
+    plan = plan_runs(SMOKE, ["precision"], data_fingerprint(files))
+    if plan.skipped:
+        pytest.skip("config.qat has no effect in this tree")
+    run_plan(plan, tmp_path, str(data_dir), progress=False)
+    fp32 = next(e.spec for e in plan.entries if e.variant == "fp32" and e.seed == 0)
+    path = run_dir(tmp_path, fp32.key) / runner.RESULT
+    res = json.loads(path.read_text())
+    path.write_text(json.dumps({**res, "trainer": {**res["trainer"], "grad_clip": 0.5}}))  # stale settings
+    counted.clear()
+    run_plan(plan, tmp_path, str(data_dir), progress=False)
+    assert sorted(counted) == ["ptq", "train"]  # the PTQ of the retrained weights, not of the old ones

@@ -244,6 +244,10 @@ def test_validation_leaves_out_near_copies_of_training_text(tmp_path):
     assert kept.train.n_tokens == files.train.n_tokens  # the training side is the same either way
     with pytest.raises(ValueError, match="decontaminate"):
         prepare_data(tmp_path / "x", str(d), decontaminate=1.5)
+    # under a byte cap, the left-out document does not use up the cap: clean validation text fills it
+    small = len((d / copy).read_bytes())  # the cap the first (left-out) document alone would use up
+    capped = prepare_data(tmp_path / "capped", str(d), vocab_size=300, val_fraction=0.2, max_bytes=small)
+    assert [e["doc_id"] for e in capped.info["val_excluded"]] == [copy] and capped.val.n_docs >= 1
 
 
 def test_splits_that_would_be_empty_are_refused_before_any_work(tmp_path):

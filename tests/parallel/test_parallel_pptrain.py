@@ -142,9 +142,10 @@ def test_cli_trains_two_stages(tmp_path, monkeypatch, capfd):
     assert meta["data"]["data_dir"] == str(data.resolve()) and meta["data"]["train_tokens"] > 0
 
     # k3 eval reads the distributed checkpoint as it is, in one process
-    assert main(["eval", "--ckpt", str(out / "checkpoint"), "--max-batches", "1", "--seq-len", "16", "--json"]) == 0
+    assert main(["eval", "--ckpt", str(out / "checkpoint"), "--max-batches", "1", "--json"]) == 0
     report = json.loads(capfd.readouterr().out)
     assert report["step"] == 2 and 0 < report["val_loss"] < 10
+    assert report["seq_len"] == 16  # the trained length, read from the checkpoint as for a single-process one
 
     # a resume (here in a world of one) on other data is refused before anything is loaded
     other = tmp_path / "other"

@@ -392,3 +392,11 @@ def test_k3_serve_process(tiny_checkpoint):
             _, err = proc.communicate()
     assert proc.returncode == 0, err
     assert f"http://127.0.0.1:{port}/v1" in err
+
+
+def test_a_non_ascii_api_key_matches_its_utf8_bytes(tiny_model, serve_tokenizer):
+    with serve(Engine(tiny_model, serve_tokenizer, max_batch=1, max_queue=1), api_key="s\xe9krit") as url:
+        utf8 = {"Authorization": "Bearer s\xe9krit".encode("utf-8")}  # what a UTF-8 shell's curl sends
+        latin = {"Authorization": "Bearer s\xe9krit".encode("latin-1")}
+        assert httpx.get(url + "/v1/models", headers=utf8).status_code == 200
+        assert httpx.get(url + "/v1/models", headers=latin).status_code == 401

@@ -116,3 +116,13 @@ def test_demo_refuses_directories_that_hold_something_else(tiny_data_dir, tmp_pa
     # run flags are checked before any data work
     assert main([*demo, "--data", str(tmp_path / "new"), "--out", str(tmp_path / "d"), "--eval-batches", "0"]) == 2
     assert "eval_batches = 0" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_demo_dir_check_treats_a_damaged_data_manifest_as_rebuildable(tmp_path):
+    from k3.train.cli import _check_demo_dirs
+
+    for source in (5, ["x"], None):
+        d = tmp_path / f"data{source!r}"
+        d.mkdir()
+        (d / "data.json").write_text(json.dumps({"request": {"source": source}}))
+        _check_demo_dirs(d, tmp_path / "out")  # prepare_data rebuilds it; no crash here

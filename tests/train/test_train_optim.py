@@ -178,3 +178,17 @@ def test_fused_adamw_takes_the_per_tensor_steps():
             opt.step()
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_a_resumed_optimizer_keeps_its_own_kernel_choice():
+    """Loading a state saved by the per-tensor AdamW (older checkpoints) must not switch the fused kernel off."""
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+
+    m = K3Model(get_config("tiny"))
+    opt = build_optimizer(m, "adamw")
+    saved = opt.state_dict()
+    for g in saved["adamw"]["param_groups"]:
+        g["fused"], g["foreach"] = None, None  # as torch's default AdamW saves it
+    opt.load_state_dict(saved)
+    assert all(g["fused"] for g in opt.optimizers["adamw"].param_groups)

@@ -367,6 +367,15 @@ def run_plan(plan: Plan, out: str | os.PathLike, data_dir: str | None, jobs: int
             results[key] = res
         else:
             todo[spec.kind == "ptq"].append(spec)
+    # a trained run that runs again (stale, or never finished) makes its PTQ evaluations stale too, and its old
+    # weights must not stand in for the new ones if the new run fails
+    retrain = {s.key for s in todo[0]}
+    for s in todo[0]:
+        (run_dir(out, s.key) / WEIGHTS).unlink(missing_ok=True)
+    for key, spec in specs.items():
+        if spec.kind == "ptq" and spec.source in retrain and key in results:
+            del results[key]
+            todo[1].append(spec)
     label = {e.spec.key: f"{e.group}/{e.variant} s{e.seed}" for e in plan.entries}
     bar = tqdm(total=len(specs), initial=len(results), unit="run", desc=desc, disable=not progress,
                dynamic_ncols=True)

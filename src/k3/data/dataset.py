@@ -260,6 +260,21 @@ def line_overlap(text: str, seen: set[int]) -> float:
     return sum(len(s) for s in lines if hash(s) in seen) / total if total else 0.0
 
 
+def _capped(documents: Iterable[Document], max_bytes: int | None) -> Iterator[Document]:
+    """`documents` up to `max_bytes` UTF-8 bytes, the last one cut to fit (as Corpus.documents caps)."""
+    used = 0
+    for doc_id, text in documents:
+        if max_bytes is not None and used + len(text.encode("utf-8")) > max_bytes:
+            text = text.encode("utf-8")[: max_bytes - used].decode("utf-8", errors="ignore")
+            if text:
+                yield doc_id, text
+            return
+        used += len(text.encode("utf-8"))
+        yield doc_id, text
+        if max_bytes is not None and used >= max_bytes:
+            return
+
+
 def _decontaminated(documents: Iterable[Document], seen: set[int], threshold: float,
                     excluded: list[dict]) -> Iterator[Document]:
     """`documents` without those whose line_overlap with the training text is >= threshold (recorded)."""
@@ -348,10 +363,12 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     excluded: list[dict] = []
     for split in ("train", "val"):
         t1 = time.perf_counter()
-        docs = corpus.documents(split, max_bytes=max_bytes)
-        if decontaminate > 0:
-            docs = _remember_lines(docs, seen) if split == "train" else _decontaminated(docs, seen, decontaminate,
-                                                                                        excluded)
+        if decontaminate > 0 and split == "val":  # filter first, then cap: the cap fills up with clean text
+            docs = _capped(_decontaminated(corpus.documents(split), seen, decontaminate, excluded), max_bytes)
+        else:
+            docs = corpus.documents(split, max_bytes=max_bytes)
+            if decontaminate > 0:
+                docs = _remember_lines(docs, seen)
         if split == "val":
             docs = _not_empty(docs, corpus.description, excluded, decontaminate)
         datasets[split] = build_dataset(

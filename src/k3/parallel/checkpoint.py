@@ -217,6 +217,10 @@ def load_model_weights(path, model) -> dict:
 def as_manifest(meta: dict) -> dict:
     """A distributed checkpoint's metadata in the shape of a single-process manifest (what `k3 eval`, `k3 sample`
     and the exporters read: path, step, config, data, extra.tokens)."""
+    from k3.train.trainer import RESUME_FIELDS
+
+    train = meta.get("train") or {}
+    data = {**{k: train[k] for k in RESUME_FIELDS if k in train}, **(meta.get("data") or {})}  # seq_len for k3 eval
     return {"format": meta["format"], "step": int(meta["step"]), "config": meta["config"],
-            "data": meta.get("data") or {}, "extra": {"tokens": meta.get("tokens", 0), "train": meta.get("train")},
+            "data": data, "extra": {"tokens": meta.get("tokens", 0), "train": meta.get("train")},
             "path": meta["path"], "distributed": {"dims": meta.get("dims")}}

@@ -266,8 +266,9 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         # bytes: compare_digest refuses non-ASCII str (a client's header would give a 500); the scheme is
         # case-insensitive (RFC 7235)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the header's raw bytes (Starlette decodes them as Latin-1) against the key's UTF-8 bytes
         if api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode("utf-8", "surrogateescape"), api_key.encode("utf-8", "surrogateescape"))):
+                token.strip().encode("latin-1", "replace"), api_key.encode("utf-8", "surrogateescape"))):
             raise APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",
                            code="invalid_api_key")
 

@@ -340,6 +340,8 @@ def _check_demo_dirs(data: Path, out: Path) -> None:
             source = json.loads(info.read_text(encoding="utf-8")).get("request", {}).get("source")
         except (ValueError, UnicodeDecodeError, AttributeError):
             source = None  # damaged: prepare_data rebuilds it
+        if not isinstance(source, str):
+            source = None
         # any Python's standard library (an earlier demo, maybe under another interpreter) is the demo's to replace
         if source is not None and not source.startswith(STDLIB_SOURCE + " "):
             raise ValueError(f"--data {data} holds data tokenized from {source}; the demo tokenizes the Python "

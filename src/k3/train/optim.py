@@ -133,7 +133,10 @@ class OptimizerList:
             raise ValueError(f"optimizer state has parts {sorted(state)} but this optimizer has "
                              f"{sorted(self.optimizers)}; was the checkpoint made with another --optimizer?")
         for k, opt in self.optimizers.items():
+            built = [{f: g.get(f) for f in ("fused", "foreach")} for g in opt.param_groups]
             opt.load_state_dict(state[k])
+            for g, b in zip(opt.param_groups, built):  # how this process runs the step is its own choice,
+                g.update(b)                            # not the saving process's (fused or not: same update)
 
 
 def split_params(model: nn.Module, adamw_modules: Iterable[str] = ("embed", "head")) -> tuple[list, list, list]:
