@@ -171,7 +171,9 @@ class PyFunc(Domain):
         from k3.agentenv.sandbox import default_config
 
         lim = (self.sandbox_config or default_config()).limits
-        per = max(1, int(lim.verify_timeout_s // (lim.check_timeout_s + 2.0)))
+        # worst case per answer: its group's limit, a second to start, and the sandbox's own overhead (five
+        # answers that all slept to the limit took 55 of 60 s with 2 s of slack each; 3 s leaves room)
+        per = max(1, int(lim.verify_timeout_s // (lim.check_timeout_s + 3.0)))
         scores = []
         for k in range(0, len(problems), per):
             scores += self._run(problems[k:k + per], answers[k:k + per])
