@@ -23,7 +23,7 @@ import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -108,20 +108,10 @@ class Corpus:
         if not selected:
             raise ValueError(f"the {split!r} split of {self.description!r} is empty ({len(self.entries)} "
                              f"document(s) in all); add more documents (at least 2 give both splits one)")
-        used, n = 0, 0
-        for doc_id, text in self._read(selected):
-            size = len(text.encode("utf-8"))
-            cut = max_bytes is not None and used + size > max_bytes
-            if cut:
-                text = text.encode("utf-8")[: max_bytes - used].decode("utf-8", errors="ignore")
-                size = len(text.encode("utf-8"))
-            if text:
-                used += size
-                n += 1
-                yield doc_id, text
-            if cut or (max_bytes is not None and used >= max_bytes):
-                log.debug("%s/%s: stopped at the %d-byte cap after %d documents", self.description, split, max_bytes, n)
-                break
+        n = 0
+        for doc in cap_bytes(self._read(selected), max_bytes):
+            n += 1
+            yield doc
         if n == 0:
             raise ValueError(f"the {split!r} split of {self.description!r} has no readable text (files empty or "
                              f"not UTF-8); check the --data path")
@@ -150,6 +140,22 @@ class Corpus:
                 j += 1
             i = j
             yield from _read_jsonl(e.path, wanted)
+
+
+def cap_bytes(documents: Iterable[Document], max_bytes: int | None) -> Iterator[Document]:
+    """The non-empty `documents` until `max_bytes` UTF-8 bytes were yielded, the last one cut to fit."""
+    used = 0
+    for doc_id, text in documents:
+        size = len(text.encode("utf-8"))
+        cut = max_bytes is not None and used + size > max_bytes
+        if cut:
+            text = text.encode("utf-8")[: max_bytes - used].decode("utf-8", errors="ignore")
+            size = len(text.encode("utf-8"))
+        if text:
+            used += size
+            yield doc_id, text
+        if cut or (max_bytes is not None and used >= max_bytes):
+            return
 
 
 def _read_jsonl(path: Path, wanted: dict[int, str]) -> Iterator[Document]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
-from k3.data.corpus import DEFAULT_VAL_FRACTION, Document, open_corpus
+from k3.data.corpus import DEFAULT_VAL_FRACTION, Document, cap_bytes, open_corpus
 from k3.data.tokenizer import (
     DEFAULT_TOKENIZER_MAX_BYTES,
     DEFAULT_VOCAB_SIZE,
@@ -260,21 +260,6 @@ def line_overlap(text: str, seen: set[int]) -> float:
     return sum(len(s) for s in lines if hash(s) in seen) / total if total else 0.0
 
 
-def _capped(documents: Iterable[Document], max_bytes: int | None) -> Iterator[Document]:
-    """`documents` up to `max_bytes` UTF-8 bytes, the last one cut to fit (as Corpus.documents caps)."""
-    used = 0
-    for doc_id, text in documents:
-        if max_bytes is not None and used + len(text.encode("utf-8")) > max_bytes:
-            text = text.encode("utf-8")[: max_bytes - used].decode("utf-8", errors="ignore")
-            if text:
-                yield doc_id, text
-            return
-        used += len(text.encode("utf-8"))
-        yield doc_id, text
-        if max_bytes is not None and used >= max_bytes:
-            return
-
-
 def _decontaminated(documents: Iterable[Document], seen: set[int], threshold: float,
                     excluded: list[dict]) -> Iterator[Document]:
     """`documents` without those whose line_overlap with the training text is >= threshold (recorded)."""
@@ -364,7 +349,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     for split in ("train", "val"):
         t1 = time.perf_counter()
         if decontaminate > 0 and split == "val":  # filter first, then cap: the cap fills up with clean text
-            docs = _capped(_decontaminated(corpus.documents(split), seen, decontaminate, excluded), max_bytes)
+            docs = cap_bytes(_decontaminated(corpus.documents(split), seen, decontaminate, excluded), max_bytes)
         else:
             docs = corpus.documents(split, max_bytes=max_bytes)
             if decontaminate > 0:

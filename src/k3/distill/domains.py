@@ -103,11 +103,12 @@ def _pyfunc_ref(red: str, mapping: tuple[str, int], filt: tuple[str, int], xs: l
     return ys
 
 
-def pyfunc_specs() -> list[tuple[str, tuple[str, int], tuple[str, int]]]:
+@functools.lru_cache(maxsize=1)
+def pyfunc_specs() -> tuple[tuple[str, tuple[str, int], tuple[str, int]], ...]:
     """Every (reducer, mapping, filter) the domain can ask for: 279, all different functions."""
     maps = [("same", 0), ("square", 0)] + [("times", k) for k in range(2, 5)] + [("plus", k) for k in range(1, 6)]
     filts = [("every", 0), ("even", 0), ("odd", 0)] + [("over", t) for t in range(6)]
-    return [(r, m, f) for r in _REDUCERS for m in (maps if r != "count" else [("same", 0)]) for f in filts]
+    return tuple((r, m, f) for r in _REDUCERS for m in (maps if r != "count" else [("same", 0)]) for f in filts)
 
 
 class PyFunc(Domain):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.amp import autocast_on, no_autocast  # noqa: F401 - the layers import them from here
+from k3.ops.amp import autocast_on
 
 
 def check_dtype(who: str, x: torch.Tensor, want: str, like: torch.Tensor | None = None) -> None:

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype, no_autocast
+from k3.model.checks import check_dtype
+from k3.ops.amp import no_autocast
 from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")

@@ -263,10 +263,9 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
     def check_auth(request: Request) -> None:
         # a plain check in each handler: an HTTP middleware would sit between the stream and disconnects
-        # bytes: compare_digest refuses non-ASCII str (a client's header would give a 500); the scheme is
-        # case-insensitive (RFC 7235)
+        # bytes (compare_digest refuses non-ASCII str): the header's raw bytes, which Starlette decoded as
+        # Latin-1, against the key's UTF-8 bytes; the scheme is case-insensitive (RFC 7235)
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # the header's raw bytes (Starlette decodes them as Latin-1) against the key's UTF-8 bytes
         if api_key and not (scheme.lower() == "bearer" and hmac.compare_digest(
                 token.strip().encode("latin-1", "replace"), api_key.encode("utf-8", "surrogateescape"))):
             raise APIError(401, "missing or wrong API key (send the header Authorization: Bearer KEY)",

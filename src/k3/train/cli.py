@@ -267,9 +267,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     bpt = _bytes_per_token(files.val)
 
     # the unigram baseline on exactly the validation targets the model is scored on
-    scored = []
-    targets = (scored.append(y.numel()) or y
-               for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches))
+    targets = [y for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches)]
     unigram = unigram_loss(files.train.tokens, config.vocab_size, targets)
 
     trainer = Trainer(config, tc, files.train, files.val, out, bytes_per_token=bpt, data_info=_data_info(files),
@@ -304,7 +302,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "steps": result.steps_done, "tokens": result.tokens, "train_minutes": round(result.elapsed_s / 60, 2),
         "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "batch_size": tc.batch_size,
         "seq_len": tc.seq_len, "optimizer": tc.optimizer, "bytes_per_token_val": bpt,
-        "val_tokens_scored": sum(scored),
+        "val_tokens_scored": sum(y.numel() for y in targets),
         "val_loss_start": start["val_loss"], "val_loss_end": end["val_loss"],
         "val_bpb_start": bits_per_byte(start["val_loss"], bpt), "val_bpb_end": bits_per_byte(end["val_loss"], bpt),
         "unigram_loss": unigram, "unigram_bpb": bits_per_byte(unigram, bpt),

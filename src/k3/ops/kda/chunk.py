@@ -126,7 +126,7 @@ def _chunk_range(kq: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta: torch
     between = between.to(dtype).clamp_max(max_exponent).masked_fill(later[:, :, None], float("-inf")).exp()
     cols = (between.unsqueeze(-2) * k_dec.unsqueeze(-4)).flatten(-3, -2)     # [..., S(a), C(i), K]
     A = (rows @ cols.transpose(-1, -2)).unflatten(-2, (2, c))               # [..., S(a), 2, c(r), C(i)]
-    if not centred.is_meta and not bool(centred.all()):                                               # strong decay: exact diagonal blocks
+    if not centred.is_meta and not bool(centred.all()):                       # strong decay: exact diagonal blocks
         idx = (~centred).nonzero(as_tuple=True)
         exact = _exact_diag_blocks(g[idx], ks[idx], qs[idx])                 # [n, 2, c, c]
         cols_idx = idx[-1][:, None] * c + torch.arange(c, device=kq.device)   # [n, c]
