@@ -172,6 +172,41 @@ def test_tokenizer_round_trip_as_pretrained_tokenizer_fast(tok, tmp_path):
     check_tokenizer(hf, vocab_size=VOCAB)
 
 
+
+CONVERSATIONS = [
+    ([{"role": "user", "content": "hi"}], None, None),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo — 日本語"}], None, "high"),
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "run it"}],
+     [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}], None),
+    ([{"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
+     None, None),
+    ([{"role": "user", "content": "list files"},  # tools with no system message: a system turn of their own
+      {"role": "assistant", "content": None, "reasoning_content": "use ls",
+       "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {"path": ".", "n": [1, 2]}}},
+                      {"type": "function", "function": {"name": "pwd", "arguments": {}}}]},
+      {"role": "tool", "content": "a.py\nb.py"}, {"role": "assistant", "content": "two files"}],
+     [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}], "low"),
+    ([{"role": "developer", "content": ""}, {"role": "user", "content": "x"},   # tools join the first system turn
+      {"role": "system", "content": "second"}],
+     [{"type": "function", "function": {"name": "f", "description": "ünïcode"}}], None),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a",
+      "tool_calls": [{"function": {"name": "g", "arguments": '{"q": "v"}'}}]}], None, None),
+]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_hf_chat_template_renders_the_ids_of_render(tok, tmp_path, add_generation_prompt):
+    from k3.serve.chat import render
+    to_hf_tokenizer(tok).save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)  # the template survives a save and load
+    for messages, tools, effort in CONVERSATIONS:
+        want = render(messages, tok, tools, effort, add_generation_prompt=add_generation_prompt)
+        got = hf.apply_chat_template(messages, tools=tools, reasoning_effort=effort, tokenize=True,
+                                     add_generation_prompt=add_generation_prompt, return_dict=False)
+        assert got == want, (messages, hf.decode(got), tok.decode(want))
+    with pytest.raises(Exception, match="role must be one of"):
+        hf.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
 def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
     model = k3_model()
     save_checkpoint(tmp_path / "ckpt", 7, model, config=model.config,
@@ -184,6 +219,10 @@ def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
         {p.name for p in out.iterdir()}
     hf, hf_tok = load_hf(out)
+    # generate() stops where the server does: <|eos|>, <|end|> and the role tokens
+    assert set(hf.generation_config.eos_token_id) == {SPECIAL_TOKENS.index(t) for t in
+                                                      ("<|eos|>", "<|end|>", "<|user|>", "<|system|>", "<|tool|>",
+                                                       "<|assistant|>")}
     ids = prompt(1, 10)
     with torch.no_grad():
         assert torch.equal(hf(ids).logits, model(ids))

@@ -33,9 +33,12 @@ class ChatFormatError(ValueError):
         self.param = param
 
 
+STOP_TOKENS = ("<|end|>", "<|user|>", "<|system|>", "<|tool|>", "<|assistant|>")
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """Tokens that end an assistant turn: <|end|> and the role tokens (a new turn); <|eos|> always ends."""
-    return tuple(tokenizer.special_id(n) for n in ("end", "user", "system", "tool", "assistant"))
+    return tuple(tokenizer.special_id(t) for t in STOP_TOKENS)
 
 
 def _text(content, where: str) -> str:
@@ -141,6 +144,52 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
             ids.append(sid(f"effort:{reasoning_effort}"))
     return ids
 
+
+
+# The same format as a Jinja template, for `tokenizer.apply_chat_template` on an exported HF tokenizer
+# (`k3.serve.hf.to_hf_tokenizer` sets it). For text content and tool-call arguments given as objects it
+# renders exactly what `render` encodes (tests/serve/test_serve_hf.py compares the ids). Two differences
+# follow from a template producing a string rather than ids: text that spells a special token ("<|end|>")
+# becomes that token when the string is tokenized, and arguments given as a JSON string are inserted as
+# written, where `render` parses and re-serialises them. `render` is what the server uses.
+CHAT_TEMPLATE = (
+    "{%- macro text(c) -%}"
+    "{%- if c is none -%}{%- elif c is string -%}{{ c }}"
+    "{%- else -%}{%- for part in c -%}{{ part['text'] }}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set ns = namespace(tools='') -%}"
+    "{%- if tools -%}{%- set ns.tools = '# Tools\\n' + (tools | tojson) -%}{%- endif -%}"
+    "{%- if ns.tools and (messages | selectattr('role', 'in', ['system', 'developer']) | list | length) == 0 -%}"
+    "<|system|>{{ ns.tools }}<|end|>{%- set ns.tools = '' -%}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] in ['system', 'developer'] -%}"
+    "{%- set body = text(m['content']) -%}"
+    "{%- if ns.tools -%}"
+    "{%- set body = (body + '\\n\\n' + ns.tools) if body else ns.tools -%}{%- set ns.tools = '' -%}"
+    "{%- endif -%}"
+    "<|system|>{{ body }}"
+    "{%- elif m['role'] == 'user' -%}<|user|>{{ text(m['content']) }}"
+    "{%- elif m['role'] == 'assistant' -%}<|assistant|>"
+    "{%- if m['reasoning_content'] -%}<|think|>{{ text(m['reasoning_content']) }}<|/think|>{%- endif -%}"
+    "{{ text(m['content']) }}"
+    "{%- for call in (m['tool_calls'] or []) -%}"
+    "{%- set fn = call['function'] -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is defined else {} -%}"
+    "<|tool_call|>{\"name\": {{ fn['name'] | tojson }}, \"arguments\": "
+    "{%- if args is string -%}{{ ' ' + (args if args | trim else '{}') }}"
+    "{%- else -%}{{ ' ' + (args | tojson) }}{%- endif -%}}<|/tool_call|>"
+    "{%- endfor -%}"
+    "{%- elif m['role'] == 'tool' -%}<|tool|><|tool_result|>{{ text(m['content']) }}<|/tool_result|>"
+    "{%- else -%}{{ raise_exception('messages[' ~ loop.index0 ~ '].role must be one of system, developer, "
+    "user, assistant, tool') }}"
+    "{%- endif -%}"
+    "<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{%- if reasoning_effort -%}<|effort:{{ reasoning_effort }}|>{%- endif -%}"
+    "{%- endif -%}"
+)
 
 @dataclass
 class ToolCall:

@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
+from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
 from k3.fileio import fsync_dir
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
@@ -309,15 +310,15 @@ register()
 # ---------------------------------------------------------------------- tokenizer
 def to_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """A PreTrainedTokenizerFast over the same `tokenizers` model: identical ids, k3's special tokens kept
-    (bos/eos/pad named as such, the rest as extra special tokens). It adds no BOS/EOS of its own, like
-    `Tokenizer.encode` without bos/eos."""
+    (bos/eos/pad named as such, the rest as extra special tokens), and k3's chat format as its chat template.
+    It adds no BOS/EOS of its own, like `Tokenizer.encode` without bos/eos."""
     from tokenizers import Tokenizer as RawTokenizer
 
     named = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
     extra = [t for t in SPECIAL_TOKENS if t not in named.values()]
     hf = PreTrainedTokenizerFast(
         tokenizer_object=RawTokenizer.from_str(tokenizer.hf.to_str()), **named,
-        extra_special_tokens=extra, clean_up_tokenization_spaces=False,
+        extra_special_tokens=extra, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
         **({"model_max_length": model_max_length} if model_max_length else {}),
     )
     check_tokenizer(hf, vocab_size=tokenizer.vocab_size)
@@ -383,6 +384,8 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     else:
         log.warning("no tokenizer given and the checkpoint names none: exporting the model only")
     hf = K3ForCausalLM.from_k3(model)
+    # generate() stops where the server does: <|eos|>, the end of a turn, or the start of a new one.
+    hf.generation_config.eos_token_id = [EOS] + [SPECIAL_TOKENS.index(t) for t in STOP_TOKENS]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
