@@ -150,3 +150,35 @@ def test_log_probs_are_those_of_the_sampling_temperature(tiny_rl_model, rl_token
     with torch.no_grad():
         want = token_logprobs(tiny_rl_model(c["ids"]) / 2.0, c["ids"])
     torch.testing.assert_close(c["old_logp"], want)
+
+
+def test_a_step_with_nothing_to_learn_leaves_the_weights_alone(tmp_path, tiny_rl_model, rl_tokenizer, rl_tasks):
+    """Step 1 learns (its rewards depend on the samples); from step 2 on every episode scores 0, so every group
+    is tied. Those steps make no optimizer step: AdamW's momentum from step 1 must not move the weights."""
+    calls = {"n": 0}
+
+    def reward(task, seed, texts):
+        calls["n"] += 1
+        return float(sum(map(ord, "".join(texts))) % 2) if calls["n"] <= 6 else 0.0  # step 1: the samples decide
+
+    snaps, lrs = {}, {}
+
+    def on_record(r):
+        if r.get("kind") == "train":
+            snaps[r["step"]] = {k: v.clone() for k, v in tiny_rl_model.state_dict().items()}
+            lrs[r["step"]] = r["lr"]
+            if r["step"] == 1:
+                assert r["trained_episodes"] > 0 and r["grad_norm"] > 0
+            else:
+                assert r["trained_episodes"] == 0 and r["grad_norm"] == 0.0
+
+    g = GRPOConfig(groups_per_step=2, group_size=3, max_tokens=6)
+    lc = LoopConfig(steps=3, lr=1e-2, warmup_steps=2, ckpt_every=0, seed=0)
+    initial = {k: v.clone() for k, v in tiny_rl_model.state_dict().items()}
+    run_grpo(tiny_rl_model, rl_tokenizer, rl_tasks["train"], g, lc, tmp_path / "run", init="test",
+             episode_fn=fake_episode(reward), on_record=on_record)
+    assert calls["n"] == 18
+    assert any(not torch.equal(initial[k], snaps[1][k]) for k in initial)  # step 1 did learn (momentum exists)
+    for k in snaps[1]:
+        assert torch.equal(snaps[1][k], snaps[2][k]) and torch.equal(snaps[2][k], snaps[3][k]), k
+    assert lrs[1] < lrs[2]  # the schedule still moves on (warmup)

@@ -122,3 +122,26 @@ def test_context_overflow_is_not_a_reward(tiny_rl_model, rl_tokenizer, rl_tasks,
     assert t.excluded == "context" and t.status == "policy_error" and "context" in t.error
     assert t.n_sampled == 0 and t.reward == 0.0  # the episode's own record says 0; the sample is still excluded
     assert success_table(trajs)["all"]["usable"] == 0 and success_table(trajs)["all"]["success"] is None
+
+
+def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, monkeypatch):
+    """The verification probe failing leaves a record with reward 0 and `verifier.error`: that reward says
+    nothing about the answer, so the episode is excluded as crashed, not trained on as a failure."""
+    import k3.agentenv.verify as verify
+    from k3.agentenv.rollout import run_episode
+    from k3.agentenv.sandbox import SandboxError
+    from k3.rl.demos import DemoPolicy
+
+    class P:
+        context_exceeded, failure = False, None
+
+    task, cfg = rl_tasks["train"][0], episode_config("canonical")
+    good = run_episode(task, DemoPolicy(task), 5, cfg)
+    assert good["reward"] == 1.0 and classify(good, P()) == (None, None)
+
+    def broken(*args, **kwargs):
+        raise SandboxError("the probe could not start")
+    monkeypatch.setattr(verify, "run_probe", broken)
+    rec = run_episode(task, DemoPolicy(task), 5, cfg)
+    assert rec["status"] == "finished" and rec["reward"] == 0.0 and rec["verifier"]["error"]
+    assert classify(rec, P()) == ("crashed", "verifier: the probe could not start")

@@ -185,13 +185,18 @@ class StepLoop:
         out = step_fn(self.step)
         loss = out.pop("loss")
         model.train()
-        if not out.pop("backward_done", False):
-            loss.backward()
-        clip = self.lc.grad_clip if self.lc.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
-        self.optimizer.step()
-        if hasattr(model, "update_balancing"):
-            model.update_balancing()
+        if out.pop("skip_update", False):
+            # nothing to learn from (e.g. every GRPO group tied): no optimizer step, so AdamW's momentum does not
+            # move the weights; the step still counts (its data was used) and the schedule moves on with it
+            grad_norm = torch.zeros(())
+        else:
+            if not out.pop("backward_done", False):
+                loss.backward()
+            clip = self.lc.grad_clip if self.lc.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)
+            self.optimizer.step()
+            if hasattr(model, "update_balancing"):
+                model.update_balancing()
         value = float(loss.detach())
         if not math.isfinite(value):
             raise ValueError(f"training diverged: loss is {value} at step {self.step + 1}; lower --lr")

@@ -302,10 +302,10 @@ class GRPOTrainer:
         if b["chunks"]:
             loss, stats = self._loss_and_backward(b)
             done = True
-        else:  # nothing to learn from in this batch (every group tied, or excluded): a zero gradient
-            loss = sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        return {"loss": loss, "backward_done": done, "tokens": stats.pop("tokens", 0), **stats,
-                **self._rollout_metrics(b, step == first)}
+        else:  # nothing to learn from in this batch (every group tied, or excluded): no update at all
+            loss = torch.zeros(())
+        return {"loss": loss, "backward_done": done, "skip_update": not done, "tokens": stats.pop("tokens", 0),
+                **stats, **self._rollout_metrics(b, step == first)}
 
     def _rollout_metrics(self, b: dict, fresh: bool) -> dict:
         trajs = b["trajs"]
