@@ -35,6 +35,21 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
     assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
                  "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # the experiment's tokenizer is reused only with the settings that built it
+    warm2 = ["rl", "warmstart", *common, "--tasks-per-kind", "1", "--demos-per-task", "1", "--steps", "2",
+             "--batch", "1", "--ckpt-every", "0", "--workers", "3", "--n-layers", "2", "--tokenizer-prompts", "40"]
+    tok_bytes = (tmp_path / "exp/tokenizer.json").read_bytes()
+    assert main([*warm2, "--vocab-size", "500", "--resume"]) == 2  # not silently the 600-token one
+    assert "vocab_size 600 (asked: 500)" in capsys.readouterr().err
+    assert (tmp_path / "exp/tokenizer.json").read_bytes() == tok_bytes
+    assert main([*warm2, "--vocab-size", "600", "--resume"]) == 0  # the same settings reuse it
+    assert (tmp_path / "exp/tokenizer.json").read_bytes() == tok_bytes
+    capsys.readouterr()
+    assert main([*warm2, "--vocab-size", "500", "--overwrite"]) == 0  # rebuilt, and the warm start retrained
+    assert "tokenizer 500 tokens" in capsys.readouterr().err
+    assert main(["rl", "eval", "--root", root, "--models", "fixed", "--n-per-kind", "1", "--variants", "1",
+                 "--max-tokens", "4", "--max-turns", "2", "--threads", "1"]) == 2  # trained with the old one
+    assert "another tokenizer" in capsys.readouterr().err
 
 
 def test_rl_bad_input(tmp_path, capsys):

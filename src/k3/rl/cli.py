@@ -66,6 +66,35 @@ def _load(root: Path, name: str, tokenizer):
     return model, manifest
 
 
+TOKENIZER_SETTINGS = "tokenizer.settings.json"
+
+
+def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer):
+    """ROOT/tokenizer.json, built once per experiment from the demonstrations. Reused when the flags that made it
+    (recorded beside it) are the same; a different --vocab-size, --tokenizer-prompts or demonstration set is
+    refused, or, with --overwrite, rebuilds it."""
+    from k3.fileio import atomic_write_text
+    want = {"vocab_size": args.vocab_size, "tokenizer_prompts": args.tokenizer_prompts,
+            "demos": {"tasks_per_kind": args.tasks_per_kind, "demos_per_task": args.demos_per_task,
+                      "seed": args.seed, "harness": args.demo_harness}}
+    tok_path, settings_path = root / "tokenizer.json", root / TOKENIZER_SETTINGS
+    if tok_path.is_file():
+        if not settings_path.is_file():  # a root from before the settings were recorded: nothing to compare
+            print(f"warning: reusing {tok_path}, whose settings were not recorded", file=sys.stderr)
+            return _tokenizer(root)
+        have = json.loads(settings_path.read_text())
+        if have == want:
+            return _tokenizer(root)
+        if not args.overwrite:
+            diff = ", ".join(f"{k} {have.get(k)!r} (asked: {want[k]!r})" for k in want if have.get(k) != want[k])
+            raise ValueError(f"{tok_path} was built with other settings: {diff}. Pass the same flags to reuse it, "
+                             f"or --overwrite to rebuild it (runs under {root} trained with the old tokenizer will "
+                             "then refuse to load), or use another --root")
+    tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
+    atomic_write_text(settings_path, json.dumps(want, indent=1) + "\n")
+    return tok
+
+
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_warmstart(args) -> dict:
     from k3.rl.train import demo_pool, make_tokenizer, new_model, run_warmstart
@@ -77,11 +106,7 @@ def cmd_warmstart(args) -> dict:
                       harness=args.demo_harness)
     if not demos:
         raise ValueError("no demonstration verified; check `k3 agentenv check`")
-    tok_path = root / "tokenizer.json"
-    if tok_path.is_file():
-        tok = _tokenizer(root)
-    else:
-        tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
+    tok = _warmstart_tokenizer(root, demos, args, make_tokenizer)
     print(f"{len(demos)} demonstrations, tokenizer {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)",
           file=sys.stderr)
     overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
