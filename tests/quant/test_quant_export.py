@@ -179,6 +179,12 @@ def test_export_refuses_bad_requests(tmp_path):
         export_mx(src, src, overwrite=True)
     assert sorted(p.name for p in src.iterdir()) == before
     assert export_mx(src, tmp_path / "ex", overwrite=True).name == "step_000007"
+    # an export of an earlier step replaces a later one whole, rather than leaving it beside the new one
+    export_mx(src, tmp_path / "later")
+    m = K3Model(get_config("tiny", qat=K3_QAT))
+    ckpt.save_checkpoint(tmp_path / "early", 3, m, None, m.config)
+    assert export_mx(tmp_path / "early", tmp_path / "later", overwrite=True).name == "step_000003"
+    assert [p.name for _, p in ckpt.step_dirs(tmp_path / "later")] == ["step_000003"]
     from k3.serve.hf import export_hf
 
     with pytest.raises(ValueError, match=f"packed MX export.*instead \\({src}"):  # HF wants fp32 experts

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -190,6 +191,9 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
                                 extra={EXPORT_KEY: info, **{k: v for k, v in manifest.get("extra", {}).items()
                                                             if k == "tokens"}},
                                 keep_last=1)
+    for old in held:  # all earlier exports (checked above); pruning keeps a higher step than the new one
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
     log.info("exported %s -> %s (%s routed experts, %.3f bits/param)", manifest["path"], path, fmt,
              info["routed_bits_per_param"] or 0)
     return path
