@@ -338,3 +338,52 @@ def test_no_grad_forwards_do_not_steer_the_balance():
     m(x).sum().backward()  # a training forward does
     m.router.update_balancing()
     assert torch.count_nonzero(m.router.bias) > 0
+
+
+@pytest.mark.parametrize("balancing", ["bias", "quantile", "aux_loss"])
+def test_padding_under_balancing_token_mask_does_not_steer_the_balance(balancing):
+    """Two sequences of 5 and 9 real tokens, right-padded to 12 with one repeated padding vector (as a padding
+    token embeds): under `balancing_token_mask` the router's statistics are those of the real tokens alone."""
+    from k3.model.moe import balancing_token_mask
+
+    torch.manual_seed(0)
+    cfg = get_config("tiny", balancing=balancing, aux_loss_coef=0.01)
+    r = _scaled(Router(cfg, cfg.d_model), 0.1)
+    lengths, T = (5, 9), 12
+    real = [torch.randn(n, cfg.d_model) for n in lengths]
+    pad = torch.randn(cfg.d_model)
+    x = torch.stack([torch.cat([s, pad.expand(T - len(s), -1)]) for s in real])
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+
+    def stats(run):
+        r.bias.zero_()
+        run()
+        out = (r.last_load.clone(), None if r.aux_loss is None else r.aux_loss.detach().clone())
+        r.update_balancing()
+        return (*out, r.bias.clone())
+
+    with torch.enable_grad():
+        def padded():
+            with balancing_token_mask(r, mask):
+                r(x)
+        want_loads, want_aux, want_bias = [], [], None
+
+        def separately():  # each real sequence alone: the statistics padding must not change
+            for s in real:
+                r(s[None])
+                want_loads.append(r.last_load.clone())
+                if r.aux_loss is not None:
+                    want_aux.append(r.aux_loss.detach().clone())
+        load, aux, bias = stats(padded)
+        _, _, want_bias = stats(separately)
+        unmasked_load, _, unmasked_bias = stats(lambda: r(x))
+    assert torch.equal(load, sum(want_loads))
+    assert not torch.equal(unmasked_load, load)  # the padding rows would have counted
+    if balancing == "aux_loss":
+        torch.testing.assert_close(aux, torch.stack(want_aux).mean())
+    else:
+        torch.testing.assert_close(bias, want_bias)
+        assert not torch.equal(unmasked_bias, bias) or balancing == "bias"
+    with pytest.raises(ValueError, match="shape"):
+        with balancing_token_mask(r, mask[:, :5]):
+            r(x)

@@ -39,7 +39,8 @@ from k3.distill.domains import CELLS, DOMAIN_NAMES, Domain, cell_name, parse_cel
 from k3.distill.effort import EFFORTS, THINKING_BUDGETS, build_prompt, check_budgets, check_effort
 from k3.distill.loop import LoopConfig, StepLoop
 from k3.distill.rollout import Rollout, merge_rollouts, sample
-from k3.distill.sft import masked_ce
+from k3.distill.sft import PAD_ID, masked_ce
+from k3.model.moe import balancing_token_mask
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +304,8 @@ def mopd_step_fn(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, d
         else:
             ro = teachers.sample(prompts, cells, budgets, mc.max_answer_tokens, mc.temperature, step_seed(seed, step))
         student.train()
-        logits = student(ro.ids)
+        with balancing_token_mask(student, ro.ids != PAD_ID):  # padding does not steer the routers' balance
+            logits = student(ro.ids)
         aux = student.aux_loss() if hasattr(student, "aux_loss") else 0.0
         rec: dict = {}
         if mc.mode == "on-policy":

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from k3.data.tokenizer import SPECIAL_TOKENS
 from k3.distill.loop import LoopConfig, StepLoop
+from k3.model.moe import balancing_token_mask
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def sft_step_fn(model: torch.nn.Module, examples: Callable[[int], Sequence[Examp
     def step_fn(step: int) -> dict:
         ids, mask = collate(examples(step))
         model.train()
-        loss, n = masked_ce(model(ids), ids, mask)
+        with balancing_token_mask(model, ids != PAD_ID):  # padding does not steer the routers' balance
+            logits = model(ids)
+        loss, n = masked_ce(logits, ids, mask)
         aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
         return {"loss": loss + aux, "ce": float(loss.detach()), "tokens": n}
     return step_fn

@@ -80,6 +80,8 @@ class Router(nn.Module):
         # Public switch: False makes training forwards route without accumulating balancing statistics
         # (the recompute pass of activation checkpointing must not count its tokens twice).
         self.collect_stats = True
+        # Set by `balancing_token_mask`: [B, T] bool, False at padding, which must not steer the balance.
+        self.token_mask: torch.Tensor | None = None
         if self.weight.device.type != "meta":
             nn.init.normal_(self.weight, std=config.init_std)
 
@@ -100,25 +102,47 @@ class Router(nn.Module):
         g = s.gather(-1, experts)  # ... weights from the unbiased s
         weights = g / (g.sum(-1, keepdim=True) + 1e-20) * self.routed_scale
 
-        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        keep = self._kept_tokens(x)  # None: every token counts
+        counted = experts if keep is None else experts[keep]
+        load = torch.bincount(counted.reshape(-1), minlength=self.n_experts)
         self.last_load = load.detach()
         self.aux_loss = None
         if self.balancing == "aux_loss" and self.training:
             seqs = x.shape[0] if x.dim() == 3 else 1
-            self.aux_loss = self._sequence_balance_loss(s.view(seqs, -1, self.n_experts), experts.view(seqs, -1, self.top_k))
+            self.aux_loss = self._sequence_balance_loss(s.view(seqs, -1, self.n_experts), experts.view(seqs, -1, self.top_k),
+                                                        None if keep is None else keep.view(seqs, -1))
         # evaluation forwards (eval mode, or no grad on a model left in train mode) do not steer the balance
         if self.training and self.collect_stats and torch.is_grad_enabled():
-            self._accumulate(biased, load)
+            self._accumulate(biased if keep is None else biased[keep], load)
         return weights, experts
 
-    def _sequence_balance_loss(self, s: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _kept_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The flat [N] mask of tokens that count in the balancing statistics, from `token_mask`."""
+        if self.token_mask is None:
+            return None
+        if tuple(self.token_mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"balancing_token_mask got a mask of shape {tuple(self.token_mask.shape)}, but the router "
+                             f"sees tokens of shape {tuple(x.shape[:-1])}; pass the [B, T] mask of the batch forwarded")
+        return self.token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
+
+    def _sequence_balance_loss(self, s: torch.Tensor, experts: torch.Tensor,
+                               keep: torch.Tensor | None = None) -> torch.Tensor:
         """DeepSeek-V3 eq. 17-20, averaged over sequences: alpha * sum_i f_i P_i with
-        f_i = E / (k T) * #{t: i in topk(t)} and P_i = mean_t s_{i,t} / sum_j s_{j,t}."""
+        f_i = E / (k T) * #{t: i in topk(t)} and P_i = mean_t s_{i,t} / sum_j s_{j,t}. With `keep` [B, T], T and
+        the sums run over the kept tokens of each sequence, and sequences with none are left out."""
         B, T, E = s.shape
         chosen = torch.zeros(B, T, E, device=s.device).scatter_(-1, experts, 1.0)
-        f = chosen.sum(1) * (E / (self.top_k * T))  # [B, E], no gradient (a count)
-        P = (s / s.sum(-1, keepdim=True)).mean(1)  # [B, E]
-        return self.aux_loss_coef * (f * P).sum(-1).mean()
+        if keep is None:
+            f = chosen.sum(1) * (E / (self.top_k * T))  # [B, E], no gradient (a count)
+            P = (s / s.sum(-1, keepdim=True)).mean(1)  # [B, E]
+            return self.aux_loss_coef * (f * P).sum(-1).mean()
+        w = keep.to(s.dtype).unsqueeze(-1)  # [B, T, 1]
+        n = w.sum(1)  # [B, 1] kept tokens per sequence
+        f = (chosen * w).sum(1) * E / (self.top_k * n.clamp_min(1))
+        P = (s / s.sum(-1, keepdim=True) * w).sum(1) / n.clamp_min(1)
+        per_seq = (f * P).sum(-1)
+        has = n.squeeze(-1) > 0
+        return self.aux_loss_coef * (per_seq[has].mean() if bool(has.any()) else per_seq.sum() * 0.0)
 
     # ------------------------------------------------------------------ balancing
     @torch.no_grad()
@@ -162,6 +186,25 @@ def balancing_stats_paused(module: nn.Module):
     finally:
         for r, b in zip(routers, before):
             r.collect_stats = b
+
+
+@contextlib.contextmanager
+def balancing_token_mask(module: nn.Module, mask: torch.Tensor):
+    """Inside the block, every Router under `module` counts only the tokens where `mask` ([B, T] bool, the batch
+    being forwarded) is True in its balancing statistics: the bias and quantile updates, the aux loss and
+    `last_load`. Routing itself is unchanged. Right-padded batches (SFT, GRPO, distillation) pass
+    `ids != PAD`, so a column of identical padding tokens does not push its experts' biases down."""
+    routers = [m for m in module.modules() if isinstance(m, Router)]
+    if mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"balancing_token_mask wants a [B, T] bool mask, got {tuple(mask.shape)} {mask.dtype}")
+    before = [r.token_mask for r in routers]
+    for r in routers:
+        r.token_mask = mask
+    try:
+        yield
+    finally:
+        for r, b in zip(routers, before):
+            r.token_mask = b
 
 
 def _dist_world() -> int:

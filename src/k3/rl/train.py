@@ -31,6 +31,7 @@ from k3.agentenv.sandbox import SandboxConfig
 from k3.distill.loop import LoopConfig, StepLoop
 from k3.distill.sft import PAD_ID, masked_ce
 from k3.fileio import atomic_write_json
+from k3.model.moe import balancing_token_mask
 from k3.rl.demos import collect_demos, episode_tokens, pad_batch
 from k3.rl.family import KINDS, build_tasks
 from k3.rl.grpo import AGGREGATIONS, group_advantages, grpo_loss, token_logprobs
@@ -113,7 +114,8 @@ def sft_step_fn(model, examples: Sequence[tuple[list[int], list[bool]]], batch_s
         pick = [pool[rng.randrange(len(pool))] for _ in range(batch_size)]
         ids, mask = pad_batch([p[0] for p in pick], [p[1] for p in pick], PAD_ID)
         model.train()
-        logits = model(ids)
+        with balancing_token_mask(model, ids != PAD_ID):  # padding does not steer the routers' balance
+            logits = model(ids)
         loss, n = masked_ce(logits, ids, mask)
         out = {"ce": float(loss.detach()), "tokens": n}
         if context_loss_weight > 0:
@@ -268,7 +270,8 @@ class GRPOTrainer:
         total, tokens, sums = 0.0, 0, {}
         for c in b["chunks"]:
             # the log-probs of the distribution that sampled: logits / temperature (as verl and TRL do)
-            logp = token_logprobs(model(c["ids"]) / cfg.temperature, c["ids"])
+            with balancing_token_mask(model, c["ids"] != PAD_ID):  # padding does not steer the balance
+                logp = token_logprobs(model(c["ids"]) / cfg.temperature, c["ids"])
             if c["old_logp"] is None:
                 c["old_logp"] = logp.detach()  # the policy that sampled = the weights at the batch's first step
             if cfg.beta > 0 and c["ref_logp"] is None:
