@@ -39,3 +39,20 @@ def test_a_failed_local_job_names_the_rank_that_started_it(tmp_path):
         ("error", "rank 0: RuntimeError: [gloo/transport] Connection closed by peer [127.0.0.1]:1\n...", 0.0)))
     (tmp_path / "result_1.pkl").write_bytes(pickle.dumps(("error", "rank 1: ValueError: the real cause\n...", 0.0)))
     assert _first_error(str(tmp_path), 2).startswith("rank 1: ValueError: the real cause")
+
+
+def test_expert_parallel_flags_are_checked_before_any_process_starts(capsys, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    tiny = ["train", "--preset", "tiny", "--set", "vocab_size=512"]
+    assert main([*tiny, "--set", "n_experts=3", "--nproc", "2", "--ep", "2"]) == 2
+    assert "n_experts = 3 is not divisible by --ep 2" in capsys.readouterr().err
+    assert main([*tiny, "--ep-redundant", "1"]) == 2  # one process: nothing to replicate over
+    assert "--ep-redundant" in capsys.readouterr().err
+    assert main([*tiny, "--nproc", "2", "--ep-redundant", "1"]) == 2  # ep 1
+    assert "needs --ep > 1" in capsys.readouterr().err
+    assert main([*tiny, "--nproc", "2", "--ep", "2", "--ep-redundant", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    assert main(["mesh", "--preset", "mini", "--nproc", "4", "--ep", "2", "--ep-redundant", "1"]) == 2
+    assert "applies to k3 train" in capsys.readouterr().err

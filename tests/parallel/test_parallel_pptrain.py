@@ -134,7 +134,7 @@ def test_cli_trains_two_stages(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: call(cmd, timeout=240, **kw))
     assert main(argv) == 0, capfd.readouterr().err[-3000:]
     printed = capfd.readouterr().out
-    assert "trained 2 steps" in printed and "pp 2 x dp 1" in printed, printed
+    assert "trained to step 2" in printed and "pp 2 x dp 1" in printed, printed
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and all(r["loss"] > 0 for r in logged)
     meta = json.loads((out / "checkpoint" / "step_000002" / "k3.json").read_text())
@@ -155,3 +155,34 @@ def test_cli_trains_two_stages(tmp_path, monkeypatch, capfd):
     assert main(resume) == 2
     err = capfd.readouterr().err
     assert "the checkpoint was trained on data with" in err and f"--data {data.resolve()}" in err, err
+
+
+def test_cli_new_run_with_redundant_expert_slots_and_overwrite(tmp_path, monkeypatch, capfd):
+    """3 experts over 2 EP ranks: a new run places them from uniform loads with a spare slot per rank (the
+    replicas), and --overwrite starts it over (every rank sees the old checkpoint before rank 0 deletes it)."""
+    from k3.cli import main
+    from k3.data import prepare_data
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    prepare_data(data, vocab_size=512, max_bytes=40_000)
+    argv = ["train", "--preset", "tiny", "--set", "n_experts=3", "--data", str(data), "--out", str(out),
+            "--nproc", "2", "--ep", "2", "--ep-redundant", "1", "--steps", "2", "--batch-size", "2",
+            "--seq-len", "16", "-q"]
+    monkeypatch.setattr(sys, "argv", ["k3", *argv])
+    call = subprocess.call
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: call(cmd, timeout=240, **kw))
+    assert main(argv) == 0, capfd.readouterr().err[-3000:]
+    assert "trained to step 2" in capfd.readouterr().out
+    def losses():
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = losses()
+    argv = [*argv, "--overwrite"]
+    monkeypatch.setattr(sys, "argv", ["k3", *argv])
+    assert main(argv) == 0, capfd.readouterr().err[-3000:]
+    assert losses() == first and len(first) == 2  # started over: the same run again
+    # data of another vocabulary fails on every rank with the single-process message, before a model is built
+    argv = [*argv[:3], "--set", "vocab_size=1024", *argv[3:]]
+    monkeypatch.setattr(sys, "argv", ["k3", *argv])
+    assert main(argv) != 0
+    assert "tokenized with a vocabulary of 512 tokens but the model has vocab_size = 1024" in capfd.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoint").iterdir() if p.name.startswith("step_")) == ["step_000002"]

@@ -25,7 +25,15 @@ def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
                  "--eval-every", "2", "--optimizer", "muon", "--resume"]) == 0
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == [1, 2, 3, 4, 5]
-    capsys.readouterr()
+    assert "trained to step 5 (2 in this run, from step 3)" in capsys.readouterr().out
+    # resuming a run that is already there trains nothing and says so, naming the checkpoint it holds
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(out), "--steps", "5",
+                 "--eval-every", "2", "--optimizer", "muon", "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "already at step 5" in printed and f"checkpoint {out / 'checkpoint' / 'step_000005'}" in printed
+    for flag in ("--max-batches", "--batch-size", "--seq-len"):
+        assert main(["eval", "--ckpt", str(out / "checkpoint"), flag, "0"]) == 2
+        assert f"{flag} 0 must be >= 1" in capsys.readouterr().err
 
     assert main(["eval", "--ckpt", str(out / "checkpoint"), "--batch-size", "2", "--max-batches", "3",
                  "--json"]) == 0

@@ -150,6 +150,19 @@ def test_time_budget_stops_and_saves(tmp_path, fake_data):
     assert len({v["step"] for v in res.val}) == len(res.val)  # once per step, even right after a periodic eval
 
 
+def test_time_budget_counts_a_final_eval_that_has_not_run_yet(fake_data):
+    """With no periodic eval, the final one is estimated from the last step: an eval batch is one micro-batch
+    forward, at most half a training step's forward and backward."""
+    cfg, data = get_config("tiny"), fake_data()
+    tr = Trainer(cfg, TrainConfig(**dict(TINY, eval_batches=40, accum=2)), data, data)
+    assert tr.tail_seconds() == 0.0  # nothing measured yet
+    tr._step_s = 0.1
+    assert tr.tail_seconds() == pytest.approx(40 * 0.1 / (2 * 2))
+    tr._eval_s = 0.5  # once measured, the measurement
+    assert tr.tail_seconds() == 0.5
+    assert Trainer(cfg, TrainConfig(**TINY), data, None).tail_seconds() == 0.0  # no validation data
+
+
 def test_fit_steps_to_budget_plans_the_decay(fake_data):
     cfg, data = get_config("tiny"), fake_data()
     tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=0.05, fit_steps_to_budget=True,
@@ -170,6 +183,8 @@ def test_bad_inputs_fail_before_training(tmp_path, fake_data):
         Trainer(cfg, TrainConfig(**TINY), fake_data(vocab_size=1024), None, tmp_path / "x")
     with pytest.raises(ValueError, match="fewer than one batch"):
         Trainer(cfg, TrainConfig(**dict(TINY, batch_size=8, seq_len=64)), fake_data(n_tokens=300), None)
+    with pytest.raises(ValueError, match=r"validation data has 40 tokens, fewer than one window needs \(65 = seq_len"):
+        Trainer(cfg, TrainConfig(**dict(TINY, batch_size=4, seq_len=64)), fake_data(), fake_data(n_tokens=40))
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not writable"):
         Trainer(cfg, TrainConfig(**TINY), fake_data(), None, tmp_path / "file" / "out")

@@ -21,8 +21,25 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (GPipe over the --accum micro-batches; world = pp x data-parallel ranks)")
     g.add_argument("--ep-redundant", type=int, default=0, metavar="N",
-                   help="with --resume: N redundant expert slots per EP rank, experts placed and hot ones "
-                        "replicated from the loads the checkpoint observed (EPLB-style)")
+                   help="N redundant expert slots per EP rank (needs --ep > 1): with --resume, experts are placed "
+                        "and hot ones replicated from the loads the checkpoint observed (EPLB-style); on a new run, "
+                        "from uniform loads (this also lets --ep leave a remainder of n_experts)")
+
+
+def _check_expert_parallel(args, dims) -> None:
+    """--ep and --ep-redundant against the config, before any process starts."""
+    from k3.model.cli import config_from_args
+
+    n = getattr(args, "ep_redundant", 0) or 0
+    if n < 0:
+        raise ValueError(f"--ep-redundant {n} must be >= 0")
+    if n and dims.ep <= 1:
+        raise ValueError(f"--ep-redundant {n} adds expert replicas on expert-parallel ranks: it needs --ep > 1")
+    config = config_from_args(args)
+    if config.n_dense_layers < config.n_layers and config.n_experts % dims.ep and not n:
+        raise ValueError(f"n_experts = {config.n_experts} is not divisible by --ep {dims.ep}: pick an --ep that divides "
+                         f"it, or add --ep-redundant 1 (each rank then holds {-(-config.n_experts // dims.ep) + 1} "
+                         "expert slots, the spare ones replicas)")
 
 
 def _dims(nproc: int, args):
@@ -44,10 +61,13 @@ def maybe_run_parallel(args: argparse.Namespace) -> int | None:
     if nproc == 1:
         if getattr(args, "ep", 1) != 1 or getattr(args, "pp", 1) != 1 or getattr(args, "fsdp", 0) > 1:
             raise ValueError("--ep/--fsdp/--pp need several processes: add --nproc N (or launch with torchrun)")
+        if getattr(args, "ep_redundant", 0):
+            raise ValueError("--ep-redundant adds expert replicas on expert-parallel ranks: it needs --nproc N "
+                             "--ep E with E > 1")
         if getattr(args, "resume", False) and getattr(args, "out", None) and _holds_dcp(args.out):
             return run_parallel_train(args, 1)  # a distributed checkpoint continues in a world of one
         return None
-    _dims(nproc, args)  # a mesh that does not factor fails here, before any process starts
+    _check_expert_parallel(args, _dims(nproc, args))  # a mesh that does not factor fails here, before launch
     argv = _without_nproc(sys.argv[1:])  # torchrun's own parser would take --nproc for --nproc-per-node
     if "train" not in argv:
         raise ValueError("the --nproc re-launch reads the command line; run `k3 train --nproc N ...` from a shell")
@@ -101,20 +121,24 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
         if ctx.rank != 0:
             logging.getLogger("k3").setLevel(logging.WARNING)  # one rank tells the story
         files = load_data_dir(args.data)
+        _check_expert_parallel(args, dims)
         placements = None
         if args.ep_redundant:
-            if not args.resume:
-                raise ValueError("--ep-redundant places experts from observed loads: it needs --resume")
             from pathlib import Path
 
             from k3.parallel.checkpoint import read_meta
             from k3.parallel.train import placements_from_loads
 
-            meta = read_meta(Path(args.out) / "checkpoint")
-            if not meta.get("expert_loads"):
-                raise ValueError(f"{meta['path']} records no expert loads to place experts from; resume once "
-                                 "without --ep-redundant and use the next checkpoint")
-            placements = placements_from_loads(meta["expert_loads"], dims.ep, args.ep_redundant)
+            if args.resume:
+                meta = read_meta(Path(args.out) / "checkpoint")
+                if not meta.get("expert_loads"):
+                    raise ValueError(f"{meta['path']} records no expert loads to place experts from; resume once "
+                                     "without --ep-redundant and use the next checkpoint")
+                loads = meta["expert_loads"]
+            else:  # a new run: nothing observed yet, so every expert counts the same
+                n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
+                loads = [[1.0] * config.n_experts for _ in range(n_moe)]
+            placements = placements_from_loads(loads, dims.ep, args.ep_redundant)
         trainer = ParallelTrainer(config, tc, files.train, ctx, out_dir=args.out, overwrite=args.overwrite,
                                   placements=placements, data_info=_data_info(files))
         progress = Progress(trainer, desc=f"train {config.name} x{world}", enabled=ctx.rank == 0 and not args.quiet)
@@ -123,9 +147,14 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
         finally:
             progress.close()
         if ctx.rank == 0:
-            last = result.losses[-1] if result.losses else float("nan")
-            print(f"trained {result.steps_done} steps ({result.tokens:,} tokens) on {world} ranks "
-                  f"({dims.describe()}) in {result.elapsed_s / 60:.1f} min; last train loss {last:.4f}")
+            done = len(result.losses)
+            if not done:
+                print(f"already at step {result.steps_done}: nothing to train; raise --steps to continue")
+            else:
+                this_call = f" ({done} in this run)" if done != result.steps_done else ""
+                print(f"trained to step {result.steps_done}{this_call}, {result.tokens:,} tokens in all, on {world} "
+                      f"ranks ({dims.describe()}) in {result.elapsed_s / 60:.1f} min; last train loss "
+                      f"{result.losses[-1]:.4f}")
             print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count; "
                   "k3 eval / sample / export read it as it is)")
     finally:
@@ -142,6 +171,8 @@ def cmd_mesh(args: argparse.Namespace) -> int:
 
     dims = _dims(args.nproc, args)
     config = config_from_args(args)
+    if getattr(args, "ep_redundant", 0):
+        raise ValueError("k3 mesh shows the contiguous expert layout; --ep-redundant applies to k3 train")
     model = build_meta(config)
     counts = count_params(model)
     routed = counts["by_component"].get("moe_routed", {"total": 0})["total"]

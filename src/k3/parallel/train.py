@@ -162,6 +162,10 @@ class ParallelTrainer:
         if tc.max_minutes is not None:
             raise ValueError("--max-minutes is not wired into distributed runs yet (every rank would have to agree on "
                              "the stop); give --steps")
+        from k3.train.trainer import check_dataset
+
+        check_dataset(train_data, "training", config, tc.batch_size, tc.seq_len, tc.seed,  # before the model is built
+                      min_tokens=tc.batch_size * tc.seq_len + 1)
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.overwrite = overwrite
         self.train_data = train_data
@@ -343,7 +347,11 @@ class ParallelTrainer:
             if not self.overwrite:
                 raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
                                  "--overwrite to start over, or another --out")
-            if self.ctx.rank == 0:  # start over: the old steps must not mix with (or be pruned instead of) the new
+            # start over: the old steps must not mix with (or be pruned instead of) the new. Every rank has
+            # looked before rank 0 deletes (first barrier), so no rank can miss the checkpoint, skip the barriers
+            # and wait in a training collective instead.
+            comm.barrier()
+            if self.ctx.rank == 0:
                 shutil.rmtree(self.ckpt_dir)
             comm.barrier()
         writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resume else None) \
@@ -367,5 +375,7 @@ class ParallelTrainer:
                 writer.close()
         result.steps_done, result.tokens = self.step, self.tokens
         result.elapsed_s = time.perf_counter() - start
+        if saved is None and self.ckpt_dir is not None:  # nothing trained (a resume at --steps): the one it holds
+            saved = pckpt.latest(self.ckpt_dir)
         result.checkpoint = str(saved) if saved is not None else None
         return result

@@ -148,9 +148,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     plots = plot_all(args.out)
-    last = result.losses[-1] if result.losses else float("nan")
-    print(f"trained {result.steps_done} steps ({result.tokens:,} tokens) in {result.elapsed_s / 60:.1f} min"
-          f"{' (time budget reached)' if result.stopped_early else ''}; last train loss {last:.4f}")
+    if not result.losses:  # a resumed run that was already at --steps
+        print(f"already at step {result.steps_done} ({result.tokens:,} tokens): nothing to train; raise --steps "
+              "to continue")
+    else:
+        done = len(result.losses)
+        this_call = f" ({done} in this run, from step {result.steps_done - done})" if done != result.steps_done else ""
+        print(f"trained to step {result.steps_done}{this_call}, {result.tokens:,} tokens in all, in "
+              f"{result.elapsed_s / 60:.1f} min{' (time budget reached)' if result.stopped_early else ''}; "
+              f"last train loss {result.losses[-1]:.4f}")
     if result.val:
         v = result.val[-1]
         print(f"validation loss {v['val_loss']:.4f}" + (f", {v['val_bpb']:.4f} bits/byte" if "val_bpb" in v else ""))
@@ -165,6 +171,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from k3.train.metrics import bits_per_byte
     from k3.train.trainer import evaluate, load_trained_model, resolve_device
 
+    for flag, value in (("--max-batches", args.max_batches), ("--batch-size", args.batch_size),
+                        ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
     device = resolve_device(args.device)
     model, manifest = load_trained_model(args.ckpt, device)
     data_dir = args.data or manifest.get("data", {}).get("data_dir")

@@ -229,6 +229,9 @@ def check_dataset(dataset, name: str, config: K3Config, batch_size: int, seq_len
     n_tokens = _n_tokens(dataset)
     need = min_tokens if min_tokens is not None else seq_len + 1
     if n_tokens is not None and n_tokens < need:
+        if min_tokens is None:
+            raise ValueError(f"{name} data has {n_tokens:,} tokens, fewer than one window needs ({need:,} = seq_len "
+                             "+ 1); give more text or lower --seq-len")
         raise ValueError(f"{name} data has {n_tokens:,} tokens, fewer than one batch needs ({need:,} = "
                          f"batch_size x seq_len + 1); give more text or lower --batch-size / --seq-len")
     x, y = split_batch(dataset.get_batch(0, batch_size, seq_len, seed))
@@ -357,7 +360,8 @@ class Trainer:
         self.tokens = 0
         self.flops_per_token = flops_per_token(self.model, self.tc.seq_len)["total"]
         self.peak_flops = None
-        self._eval_s, self._save_s = 0.0, None
+        self._eval_s, self._save_s = None, None  # measured by run_eval / save
+        self._step_s: float | None = None  # the last training step's time, to estimate an eval not yet run
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ checkpoints
@@ -379,8 +383,12 @@ class Trainer:
 
     def tail_seconds(self) -> float:
         """What stopping costs after the last step: a final evaluation and a checkpoint. Measured when they
-        have run; before the first save, estimated from the bytes to write and hash at 100 MB/s."""
-        tail = self._eval_s if self.val_data is not None else 0.0
+        have run; before the first evaluation, estimated from the last training step (an eval batch is a forward
+        of one micro-batch: at most half of its forward and backward); before the first save, from the bytes to
+        write and hash at 100 MB/s."""
+        tail = 0.0
+        if self.val_data is not None:
+            tail = self._eval_s if self._eval_s is not None else self._estimated_eval_s()
         if self.ckpt_dir is not None:
             if self._save_s is None:
                 n = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
@@ -388,6 +396,16 @@ class Trainer:
                 return tail + factor * n / 100e6
             tail += self._save_s
         return tail
+
+    def _estimated_eval_s(self) -> float:
+        if self._step_s is None:
+            return 0.0
+        tc = self.tc
+        n = tc.eval_batches
+        if n is None:  # the whole split
+            tokens = _n_tokens(self.val_data)
+            n = max(1, -(-tokens // (tc.batch_size * tc.seq_len))) if tokens else 1
+        return n * self._step_s / (2 * tc.accum)
 
     def _save(self) -> Path:
         return ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, self.config,
@@ -567,7 +585,7 @@ class Trainer:
                     log.info("time budget of %.1f min reached at step %d", tc.max_minutes, self.step)
                     break
                 rec = self.train_step()
-                last_dt = rec["step_time_s"]
+                last_dt = self._step_s = rec["step_time_s"]
                 result.losses.append(rec["loss"])
                 if tc.fit_steps_to_budget and len(result.losses) >= 2 \
                         and self.step < self.schedule.total_steps - self.schedule.decay_steps:
@@ -600,6 +618,8 @@ class Trainer:
         result.steps_done = self.step
         result.tokens = self.tokens
         result.elapsed_s = time.perf_counter() - start
+        if saved_at is None and self.ckpt_dir is not None:  # nothing trained (a resume at --steps): the one it holds
+            saved_at = ckpt.latest_checkpoint(self.ckpt_dir)
         result.checkpoint = str(saved_at) if saved_at is not None else None
         return result
 
