@@ -182,3 +182,25 @@ def test_a_step_with_nothing_to_learn_leaves_the_weights_alone(tmp_path, tiny_rl
     for k in snaps[1]:
         assert torch.equal(snaps[1][k], snaps[2][k]) and torch.equal(snaps[2][k], snaps[3][k]), k
     assert lrs[1] < lrs[2]  # the schedule still moves on (warmup)
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_the_balance_loss_is_not_scaled_down_by_tied_groups(tiny_rl_model, rl_tokenizer, rl_tasks, agg):
+    """The routers' aux loss enters as a mean over the forwarded chunks: its weights sum to 1 even when a tied
+    group is left out of the forward (a probe parameter stands in for the aux loss and reads the weight)."""
+    from k3.rl.train import GRPOTrainer
+
+    probe = torch.nn.Parameter(torch.zeros(()))
+    tiny_rl_model.register_parameter("probe", probe)
+    tiny_rl_model.aux_loss = lambda: probe * 1.0
+
+    def reward(task, seed, texts):  # one group tied at 1, the other decided by its samples
+        return 1.0 if seed % 2 else float(len(texts[0]) % 2 == 0)
+
+    g = GRPOConfig(groups_per_step=4, group_size=3, max_tokens=6, agg=agg, micro_batch=1)
+    trainer = GRPOTrainer(tiny_rl_model, rl_tokenizer, rl_tasks["train"], g, seed=3, episode_fn=fake_episode(reward))
+    assert trainer.step_fn(0)["backward_done"]
+    b = trainer._batch
+    assert len(b["rows"]) < sum(1 for t in b["trajs"] if t.excluded is None)  # some episodes were left out
+    assert len(b["chunks"]) > 1
+    torch.testing.assert_close(probe.grad, torch.tensor(1.0))

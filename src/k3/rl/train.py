@@ -268,6 +268,9 @@ class GRPOTrainer:
         model, cfg = self.model, self.cfg
         n_tok, n_seq = b["norm_tokens"], b["norm_seqs"]  # over every counted episode, forwarded or not
         total, tokens, sums = 0.0, 0, {}
+        # the routers' balance loss is a mean over the forwarded chunks (tied groups skip the forward, so their
+        # share of the GRPO normaliser must not scale it down)
+        fwd = sum(c["tokens"] if cfg.agg == "token" else c["seqs"] for c in b["chunks"])
         for c in b["chunks"]:
             # the log-probs of the distribution that sampled: logits / temperature (as verl and TRL do)
             with balancing_token_mask(model, c["ids"] != PAD_ID):  # padding does not steer the balance
@@ -281,7 +284,7 @@ class GRPOTrainer:
                                  ref_logp=c["ref_logp"], beta=cfg.beta, agg=cfg.agg)
             w = c["tokens"] / n_tok if cfg.agg == "token" else c["seqs"] / n_seq
             aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0
-            part = (loss + aux) * w
+            part = loss * w + aux * ((c["tokens"] if cfg.agg == "token" else c["seqs"]) / fwd)
             part.backward()
             total += float(part.detach())
             tokens += st["tokens"]
