@@ -54,5 +54,10 @@ def test_expert_parallel_flags_are_checked_before_any_process_starts(capsys, mon
     assert "needs --ep > 1" in capsys.readouterr().err
     assert main([*tiny, "--nproc", "2", "--ep", "2", "--ep-redundant", "-1"]) == 2
     assert "must be >= 0" in capsys.readouterr().err
+    import torch
+
+    other = "cpu" if torch.cuda.is_available() else "cuda"  # not what a distributed run here computes on
+    assert main([*tiny, "--nproc", "2", "--device", other]) == 2
+    assert "drop --device" in capsys.readouterr().err
     assert main(["mesh", "--preset", "mini", "--nproc", "4", "--ep", "2", "--ep-redundant", "1"]) == 2
     assert "applies to k3 train" in capsys.readouterr().err

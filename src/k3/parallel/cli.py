@@ -68,6 +68,12 @@ def maybe_run_parallel(args: argparse.Namespace) -> int | None:
             return run_parallel_train(args, 1)  # a distributed checkpoint continues in a world of one
         return None
     _check_expert_parallel(args, _dims(nproc, args))  # a mesh that does not factor fails here, before launch
+    import torch
+
+    has = "cuda" if torch.cuda.is_available() else "cpu"  # what init_distributed will pick (NCCL or gloo)
+    if getattr(args, "device", "auto") not in ("auto", has):
+        raise ValueError(f"--device {args.device}: a distributed run here computes on {has} (the backend is chosen "
+                         "from what the machine has); drop --device")
     argv = _without_nproc(sys.argv[1:])  # torchrun's own parser would take --nproc for --nproc-per-node
     if "train" not in argv:
         raise ValueError("the --nproc re-launch reads the command line; run `k3 train --nproc N ...` from a shell")
@@ -120,7 +126,15 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
         ctx = build_context(dims)
         if ctx.rank != 0:
             logging.getLogger("k3").setLevel(logging.WARNING)  # one rank tells the story
+        if getattr(args, "device", "auto") not in ("auto", ctx.device.type):
+            raise ValueError(f"--device {args.device}: this distributed run computes on {ctx.device.type} (the "
+                             f"{'NCCL' if ctx.device.type == 'cuda' else 'gloo'} backend, chosen from what the machine "
+                             "has); drop --device")
         files = load_data_dir(args.data)
+        if files.val is not None and ctx.rank == 0:
+            logging.getLogger("k3").warning(
+                "distributed runs do not evaluate during training yet (--eval-every is not used); evaluate the "
+                "checkpoint with `k3 eval --ckpt %s/checkpoint`", args.out)
         _check_expert_parallel(args, dims)
         placements = None
         if args.ep_redundant:
