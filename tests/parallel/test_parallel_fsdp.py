@@ -135,3 +135,20 @@ def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference
     assert set(got) == set(want)
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert diff <= 1e-6, diff
+
+
+def test_latest_falls_back_to_the_newest_complete_step(tmp_path):
+    """`latest` names a step whose rewrite was cut short (its directory gone): resume from the newest complete
+    step, as the single-process loader does, rather than finding no checkpoint at all."""
+    from k3.parallel.checkpoint import LATEST, META, latest
+
+    for n in (2, 10, 4):
+        (tmp_path / f"step_{n:06d}").mkdir()
+        (tmp_path / f"step_{n:06d}" / META).write_text(json.dumps({"step": n}))
+    (tmp_path / "step_000012").mkdir()  # no meta: not complete
+    (tmp_path / LATEST).write_text("step_000010\n")
+    assert latest(tmp_path).name == "step_000010"
+    (tmp_path / LATEST).write_text("step_000014\n")
+    assert latest(tmp_path).name == "step_000010"
+    assert latest(tmp_path / "step_000004").name == "step_000004"
+    assert latest(tmp_path / "empty") is None

@@ -144,15 +144,20 @@ def save(root, step: int, model, optimizer, ctx, meta: dict, keep_last: int = 3)
 
 
 def latest(root) -> Path | None:
+    """The step directory `latest` names; if that is not complete (a crash while a step was rewritten), the
+    newest complete one; `root` itself when it is a step directory; None when there is no checkpoint."""
     root = Path(root)
     f = root / LATEST
     if f.is_file():
         p = root / f.read_text().strip()
         if (p / META).is_file():
             return p
+        log.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", f, p.name)
     if (root / META).is_file():
         return root
-    return None
+    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / META).is_file()),
+                   key=lambda p: int(p.name[5:]))
+    return steps[-1] if steps else None
 
 
 def read_meta(path) -> dict:
