@@ -75,7 +75,7 @@ def _check(results, ref, first_step=0):
         assert diff <= TOL, (diff, r["losses"], want)
         assert r["losses"] == results[0]["losses"]  # the last stage's loss reached every rank
         rel = max(abs(a - b) / b for a, b in zip(r["norms"], ref["norms"][first_step:]))
-        assert rel <= 1e-5, (rel, r["norms"], ref["norms"][first_step:])  # the global norm, over stages
+        assert rel <= 1e-8, (rel, r["norms"], ref["norms"][first_step:])  # the global norm, over stages (fp64)
     held = {}
     for r in results:
         for name, p in r["params"].items():

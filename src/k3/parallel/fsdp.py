@@ -59,7 +59,8 @@ def apply_fsdp(model: nn.Module, mesh, reshard_after_forward: bool = True) -> nn
 def local_grad_sq(p: torch.nn.Parameter) -> torch.Tensor:
     """Sum of squares of this rank's piece of p.grad (a DTensor's local shard, or the plain tensor)."""
     g = p.grad
+    dtype = torch.promote_types(p.dtype, torch.float32)  # fp32 at least; an fp64 run stays fp64
     if g is None:
-        return torch.zeros((), dtype=torch.float32, device=p.device)
+        return torch.zeros((), dtype=dtype, device=p.device)
     g = g.to_local() if hasattr(g, "to_local") else g
-    return g.float().pow(2).sum()
+    return g.to(dtype).pow(2).sum()

@@ -76,15 +76,17 @@ def global_grad_norm(model, ctx: ParallelContext) -> torch.Tensor:
     expert_params = {id(p) for m in expert_modules(model) for p in m.parameters()}
     replicate = ctx.dims.dp // ctx.dims.fsdp_size  # copies of each FSDP shard (HSDP)
     shared = {id(p) for _, p in stage_shared_params(model)} if ctx.dims.pp > 1 else set()
-    sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
+    # fp32 at least, fp64 in an fp64 run (as clip_grad_norm_ in the single-process Trainer)
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in model.parameters()) else torch.float32
+    sq = torch.zeros((), dtype=dtype, device=ctx.device)
     for p in model.parameters():
         if id(p) not in expert_params and p.requires_grad:
             sq = sq + local_grad_sq(p) / (replicate * (ctx.dims.pp if id(p) in shared else 1))
     for m in expert_modules(model):
-        copies = m.placement.n_replicas()[torch.tensor(m.local)].float().to(ctx.device) * ctx.dims.edp  # [S]
+        copies = m.placement.n_replicas()[torch.tensor(m.local)].to(ctx.device, dtype) * ctx.dims.edp  # [S]
         for p in m.parameters():
             if p.grad is not None:
-                sq = sq + (p.grad.float().pow(2).flatten(1).sum(1) / copies).sum()
+                sq = sq + (p.grad.to(dtype).pow(2).flatten(1).sum(1) / copies).sum()
     comm.all_reduce(sq, group=ctx.dp_group if ctx.dims.pp == 1 else None, tag="grad_norm")
     return sq.sqrt()
 
