@@ -113,9 +113,23 @@ def test_argument_errors_name_the_problem():
     r = make_dialect(make_variant("react"))
     assert r.parse("Thought: x\nAction: run\nAction Input: {\"command\": \"ls\"}\nObservation: fake") == \
         [Action("run", {"command": "ls"})]
+    assert r.parse("Action: run\nAction Input: {\"command\": \"ls\"}\nObservation: fake\n"  # after an Observation:
+                   "Action: finish\nAction Input: {}") == [Action("run", {"command": "ls"})]  # imagined, ignored
+    with pytest.raises(ParseError, match="one action per message"):  # would be dropped unseen
+        r.parse("Action: run\nAction Input: {\"command\": \"ls\"}\nAction: finish\nAction Input: {}")
     c = make_dialect(make_variant("codex"))
     assert c.parse('to=functions.shell <|constrain|>json<|message|>{"command": ["ls", "-la", "my dir"], '
                    '"timeout_ms": 1500}<|call|>') == [Action("run", {"command": "ls -la 'my dir'", "timeout": 1.5})]
+    assert c.parse('<|start|>assistant to=functions.shell<|channel|>commentary <|constrain|>json<|message|>'
+                   '{"command": ["ls"]}<|call|>') == [Action("run", {"command": "ls"})]  # recipient in the role header
+    # milliseconds as a string are milliseconds too; a bad one is refused in the dialect's own unit
+    assert c.parse('to=functions.shell <|constrain|>json<|message|>{"command": ["ls"], "timeout_ms": "500"}'
+                   '<|call|>') == [Action("run", {"command": "ls", "timeout": 0.5})]
+    with pytest.raises(ParseError, match="'timeout_ms' of shell must be a positive number of milliseconds, got -5000"):
+        c.parse('to=functions.shell <|constrain|>json<|message|>{"command": ["ls"], "timeout_ms": -5000}<|call|>')
+    with pytest.raises(ParseError, match="must be >= 1"):  # a line count below 1 is not silently some lines
+        k.parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.ReadFile:0"
+                "<|tool_call_argument_begin|>{\"path\": \"a\", \"n_lines\": -1}<|tool_call_end|>")
 
 
 def test_apply_patch():

@@ -43,6 +43,9 @@ def test_cli(sandbox, tmp_path, capsys):
     assert main(["agentenv", "run", "--dialects", "cobol"]) == 2
     assert main(["agentenv", "run", "--tasks", "pyfix-median", "--episodes", "0"]) == 2
     assert main(["agentenv", "run", "--policy", "http"]) == 2
+    for bad in ("0", "-1"):  # 0 used to mean the task's own limit, -1 an episode of no steps
+        assert main(["agentenv", "run", "--tasks", "pyfix-median", "--max-steps", bad]) == 2
+        assert "max_steps" in capsys.readouterr().err
     assert main(["agentenv", "redteam", "--list"]) == 0
 
 

@@ -148,3 +148,44 @@ def test_exit_codes_are_the_commands_own(sandbox):
             for _ in range(3):
                 r = s.run(cmd)
                 assert r["ok"] and r["exit_code"] == want and not r["timed_out"], (cmd, r)
+
+
+def test_a_timed_out_command_is_a_failure_with_the_kill_status(sandbox):
+    """A command killed at its timeout reports -9 and fails; its status used to be lost to the cleanup's
+    reaping at times and read as exit code 0, which the agent saw as a success."""
+    from k3.agentenv.actions import execute, make_action
+
+    with Session({}, sandbox) as s:
+        for cmd in ["sleep 30", "while :; do :; done"] + ["sleep 30 & sleep 30"] * 16:  # the last lost it 3 in 10
+            r = s.run(cmd, 0.3)
+            assert r["timed_out"] and r["exit_code"] == -9, (cmd, r)
+        ok, text = execute(s, make_action("run", {"command": "sleep 30", "timeout": 0.3}))
+        assert not ok and text.startswith("exit code: -9 (killed: timed out")
+
+
+def test_read_reaches_every_line_of_a_large_file_and_says_where_it_stops(sandbox):
+    """A 10,000-line file (about 530 KB, twice the read size limit): any range can be read; a read that hits the
+    limit ends on a whole line and names the next one; a line longer than the limit is cut and says so."""
+    from k3.agentenv.actions import execute, make_action
+
+    big = "".join(f"line {i} " + "x" * 45 + "\n" for i in range(1, 10_001)).encode()
+    files = {"big.txt": (big, 0o644), "long.txt": (b"a" * (300 * 1024) + b"\nend\n", 0o644)}
+    with Session(files, sandbox) as s:
+        r = s.read("big.txt", offset=9000, limit=3)
+        assert r["ok"] and r["total_lines"] == 10_000 and r["lines"][0].startswith("line 9000 ")
+        r = s.read("big.txt")  # 2000 lines fit under the limit
+        assert len(r["lines"]) == 2000 and r["truncated"] and r["cut_line"] is None
+        r = s.read("big.txt", limit=10_000)  # the byte limit ends the read on a whole line
+        n = len(r["lines"])
+        assert 4000 < n < 10_000 and r["lines"][-1] == f"line {n} " + "x" * 45 + "\n" and r["last_line"] == n
+        ok, text = execute(s, make_action("read", {"path": "big.txt", "limit": 10_000}))
+        assert ok and text.endswith(f"[lines 1-{n} of 10000; read on from line {n + 1}]")
+        ok, text = execute(s, make_action("read", {"path": "big.txt", "offset": 20_000}))
+        assert ok and text == "(no lines in that range: the file has 10000 lines)"
+        ok, text = execute(s, make_action("read", {"path": "long.txt"}))
+        assert ok and "line 1 is cut" in text and "read on from line 2" in text
+        assert s.read("big.txt", limit=-1)["ok"] is False  # the executor refuses it too
+        long_line = "pad " * 200 + "needle" + " tail" * 100
+        s.write("s.txt", long_line + "\n")
+        (m,) = s.search("needle", "s.txt")["matches"]
+        assert "needle" in m and m.startswith("s.txt:1:...") and m.endswith("...")

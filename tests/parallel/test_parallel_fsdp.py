@@ -137,7 +137,7 @@ def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference
     assert diff <= 1e-6, diff
 
 
-def test_latest_falls_back_to_the_newest_complete_step(tmp_path):
+def test_latest_falls_back_to_the_newest_complete_step(tmp_path, caplog):
     """`latest` names a step whose rewrite was cut short (its directory gone): resume from the newest complete
     step, as the single-process loader does, rather than finding no checkpoint at all."""
     from k3.parallel.checkpoint import LATEST, META, latest
@@ -152,3 +152,11 @@ def test_latest_falls_back_to_the_newest_complete_step(tmp_path):
     assert latest(tmp_path).name == "step_000010"
     assert latest(tmp_path / "step_000004").name == "step_000004"
     assert latest(tmp_path / "empty") is None
+    # a single-process checkpoint root has a `latest` file too: not a distributed checkpoint, and no warning
+    from k3.model.transformer import K3Model
+    from k3.train import checkpoint as ckpt
+
+    m = K3Model(get_config("tiny"))
+    ckpt.save_checkpoint(tmp_path / "single", 8, m, None, m.config)
+    caplog.clear()
+    assert latest(tmp_path / "single") is None and not caplog.records

@@ -92,20 +92,30 @@ def op_init(req):
 
 
 def op_read(req):
+    """Lines offset .. offset+limit-1 of a file, at most read_bytes of them (a line longer than that is cut and
+    says so); the whole file is scanned for its line count, so any part of it can be read."""
     p = resolve(req["path"])
     st = os.stat(p)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError("%s is not a regular file" % req["path"])
-    with open(p, "rb") as fh:
-        data = fh.read(int(CFG["read_bytes"]) + 1)
-    truncated = len(data) > int(CFG["read_bytes"])
-    data = data[: int(CFG["read_bytes"])]
-    lines = data.decode("utf-8", "replace").splitlines(keepends=True)
-    offset = max(1, int(req.get("offset") or 1))
+    offset = int(req.get("offset") or 1)
     limit = int(req.get("limit") or 2000)
-    chunk = lines[offset - 1: offset - 1 + limit]
-    return {"ok": True, "first_line": offset, "lines": chunk, "total_lines": len(lines),
-            "truncated": truncated or offset - 1 + limit < len(lines)}
+    if offset < 1 or limit < 1:
+        raise ValueError("the first line and the number of lines must be >= 1")
+    cap, used, chunk, cut, full, total = int(CFG["read_bytes"]), 0, [], False, False, 0
+    with open(p, "rb") as fh:
+        for total, raw in enumerate(fh, 1):
+            if offset <= total < offset + limit and not full:
+                if used + len(raw) > cap:  # the byte cap: end on the line before, or cut a first line alone
+                    full = True
+                    if chunk:
+                        continue
+                    raw, cut = raw[:cap], True
+                used += len(raw)
+                chunk.append(raw.decode("utf-8", "replace"))
+    last = offset + len(chunk) - 1  # the last line shown (whole, or cut when `cut`)
+    return {"ok": True, "first_line": offset, "lines": chunk, "total_lines": total, "last_line": last,
+            "cut_line": last if cut else None, "truncated": cut or last < total}
 
 
 def op_write(req):
@@ -131,8 +141,8 @@ def op_edit(req):
         raise ValueError("old text not found in %s; read the file and copy the text exactly"
                          % req["path"])
     if n > 1 and not req.get("replace_all"):
-        raise ValueError("old text occurs %d times in %s; include more context to make it unique "
-                         "or set replace_all" % (n, req["path"]))
+        raise ValueError("old text occurs %d times in %s; include more context to make it unique, "
+                         "or ask the edit tool to replace every occurrence" % (n, req["path"]))
     text = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
     with open(p, "wb") as fh:
         fh.write(text.encode("utf-8"))
@@ -170,8 +180,12 @@ def op_search(req):
                 continue
             rel = os.path.relpath(fp, ROOT)
             for i, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-                if rx.search(line):
-                    matches.append("%s:%d:%s" % (rel, i, line[:300]))
+                m = rx.search(line)
+                if m:
+                    if len(line) > 300:  # a window around the match, its cuts marked
+                        a = max(0, min(m.start() - 100, len(line) - 300))
+                        line = ("..." if a else "") + line[a:a + 300] + ("..." if a + 300 < len(line) else "")
+                    matches.append("%s:%d:%s" % (rel, i, line))
                     if len(matches) >= limit:
                         return {"ok": True, "matches": matches, "truncated": True}
     return {"ok": True, "matches": matches, "truncated": False}
@@ -224,12 +238,19 @@ def op_run(req):
             rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    kill_leftovers(proc.pid)
     if rc is None:
+        # timed out: kill the command, then take its status before kill_leftovers' reaping can (a status
+        # reaped there is lost, and proc.wait() would then report 0)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.kill()
         try:
             rc = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             rc = None
+    kill_leftovers(proc.pid)
     proc.stdout.close()
     dropped = total - len(head) - len(tail)
     text = head.decode("utf-8", "replace")

@@ -165,12 +165,13 @@ def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536,
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
-    kill_leftovers()
-    if rc is None:
+    if rc is None:  # timed out: take the killed command's status before kill_leftovers' reaping can lose it
+        proc.kill()
         try:
             rc = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             rc = None
+    kill_leftovers()
     if rfd is not None:
         os.close(rfd)
     for s in (proc.stdout, proc.stderr, proc.stdin):

@@ -84,7 +84,9 @@ def make_action(tool: str, args: dict) -> Action:
             want = typ.__name__ if isinstance(typ, type) else "number"
             raise ActionError(f"argument {name!r} of {tool} must be a {want}, got {type(v).__name__}")
         if typ == (int, float) and not (_finite(v) and v > 0):  # the timeout: NaN or <= 0 would kill
-            raise ActionError(f"argument {name!r} of {tool} must be a positive number of seconds, got {v!r}")
+            raise ActionError(f"argument {name!r} of {tool} must be a positive number, got {v!r}")
+        if typ is int and v < 1:  # read's first line and line count
+            raise ActionError(f"argument {name!r} of {tool} must be >= 1, got {v!r}")
         clean[name] = v
     return Action(tool, clean)
 
@@ -103,10 +105,17 @@ def execute(session: Session, a: Action) -> tuple[bool, str]:
             return False, f"error: {r.get('error')}"
         first = r["first_line"]
         text = "".join(f"{first + i:>6}\t{line}" for i, line in enumerate(r["lines"]))
+        total = r["total_lines"]
         if not text:
-            text = "(empty file)" if r["total_lines"] == 0 else "(no lines in that range)\n"
+            return True, ("(empty file)" if total == 0 else
+                          f"(no lines in that range: the file has {total} line{'s' if total != 1 else ''})")
+        if r.get("cut_line"):
+            text += (f"\n[line {r['cut_line']} is cut: one read returns at most the size limit; run a command "
+                     "(e.g. cut or head -c) to see the rest of it]")
         if r.get("truncated"):
-            text += f"\n[file has {r['total_lines']} lines; use offset/limit to see more]"
+            nxt = r["last_line"] + 1
+            text += (f"\n[lines {first}-{r['last_line']} of {total}" +
+                     (f"; read on from line {nxt}]" if nxt <= total else "]"))
         return True, text
     if a.tool == "write":
         r = session.write(g("path"), g("content"))
@@ -122,7 +131,7 @@ def execute(session: Session, a: Action) -> tuple[bool, str]:
         head = f"exit code: {r['exit_code']}"
         if r.get("timed_out"):
             head += f" (killed: timed out after {r['duration_s']:.1f}s)"
-        return r["exit_code"] == 0, head + "\n" + r["output"]
+        return r["exit_code"] == 0 and not r.get("timed_out"), head + "\n" + r["output"]
     if a.tool == "search":
         r = session.search(g("pattern"), g("path"), g("glob"))
         if not r.get("ok"):

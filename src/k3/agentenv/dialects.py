@@ -188,7 +188,15 @@ class Dialect:
             return self._patch_actions(abstract.get("input"))
         if tool == "run" and "timeout" in abstract and self.v.dialect in MS_TIMEOUT:
             t = abstract["timeout"]
+            if isinstance(t, str):  # "500" means 500 ms here too, not 500 s after make_action's conversion
+                try:
+                    t = float(t)
+                except ValueError:
+                    pass
             if isinstance(t, (int, float)) and not isinstance(t, bool):
+                if not t > 0:  # refused here, so the message shows the value as the policy wrote it
+                    raise ParseError(f"argument {self.arg_name('run', 'timeout')!r} of {name} must be a positive "
+                                     f"number of milliseconds, got {abstract['timeout']!r}")
                 abstract["timeout"] = t / 1000.0
         if tool == "run" and isinstance(abstract.get("command"), list):
             abstract["command"] = _argv_to_command(abstract["command"])
@@ -391,7 +399,9 @@ class ClaudeDialect(Dialect):
 
 class CodexDialect(Dialect):
     name = "codex"
-    CALL = re.compile(r"to=functions\.([\w.-]+)[^\n<]*?(?:<\|constrain\|>\s*\w+)?\s*<\|message\|>(.*?)<\|call\|>", re.S)
+    # the recipient in the channel header or, also valid harmony, in the role header before <|channel|>
+    CALL = re.compile(r"to=functions\.([\w.-]+)[^\n<]*?(?:<\|channel\|>[^\n<]*)?(?:<\|constrain\|>\s*\w+)?\s*"
+                      r"<\|message\|>(.*?)<\|call\|>", re.S)
 
     def format_help(self) -> str:
         lines = ["# Tools", "", "## functions", "", "namespace functions {", ""]
@@ -570,11 +580,17 @@ class ReactDialect(Dialect):
         name = m.group(1).strip().strip("`'\"")
         rest = text[m.end():].lstrip()
         try:
-            args, _ = json.JSONDecoder().raw_decode(rest)
+            args, end = json.JSONDecoder().raw_decode(rest)
         except json.JSONDecodeError as e:
             raise ParseError(f"Action Input of {name} is not valid JSON ({e.msg})") from None
         except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, nesting past the stack
             raise ParseError(f"Action Input of {name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
+        # Text after an (imagined) Observation is ignored, as ReAct's stop sequence would cut it; a second
+        # action before any Observation would be dropped unseen, so it is refused instead.
+        after = rest[end:].split("Observation", 1)[0]
+        if self.ACTION.search(after):
+            raise ParseError("one action per message: this message holds more than one 'Action:'; send the first, "
+                             "read its Observation, then send the next")
         return self._decode_call(name, args)
 
     def render_results(self, results):

@@ -40,6 +40,11 @@ class EpisodeConfig:
     sandbox: SandboxConfig = field(default_factory=default_config)
     variant_fn: Callable | None = None     # seed -> Variant, instead of choose_variant(seed, dialects, augment)
 
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):
+            raise ValueError(f"max_steps = {self.max_steps!r} must be a positive integer (or None: the task's own)")
+
 
 def run_episode(task: Task, policy: Policy, seed: int = 0,
                 config: EpisodeConfig | None = None) -> dict:
@@ -51,7 +56,7 @@ def run_episode(task: Task, policy: Policy, seed: int = 0,
                   {"role": "user", "content": f"Task: {task.title}\n\n{task.instruction}"}]
     actions_log: list[dict] = []
     status, error, steps, parse_errors = "max_steps", None, 0, 0
-    max_steps = cfg.max_steps or task.max_steps
+    max_steps = task.max_steps if cfg.max_steps is None else cfg.max_steps
     t0 = time.monotonic()
     snap = None
     try:

@@ -58,7 +58,7 @@ class Limits:
     shm_bytes: int = 8 * MiB           # tmpfs size of /dev/shm
     command_timeout_s: float = 10.0    # wall clock per command (the policy may ask for less)
     output_bytes: int = 16 * 1024      # command output kept (head and tail)
-    read_bytes: int = 256 * 1024       # largest file the read tool returns
+    read_bytes: int = 256 * 1024       # most bytes of lines one read returns (any part of a file can be read)
     export_bytes: int = 32 * MiB       # largest workspace that can be exported for verification
     export_files: int = 5000           # most files/dirs in an exported workspace
     check_timeout_s: float = 10.0      # wall clock per verification check group

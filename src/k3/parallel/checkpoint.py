@@ -148,16 +148,21 @@ def latest(root) -> Path | None:
     newest complete one; `root` itself when it is a step directory; None when there is no checkpoint."""
     root = Path(root)
     f = root / LATEST
+    named = None
     if f.is_file():
-        p = root / f.read_text().strip()
-        if (p / META).is_file():
-            return p
-        log.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", f, p.name)
+        named = root / f.read_text().strip()
+        if (named / META).is_file():
+            return named
     if (root / META).is_file():
         return root
     steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / META).is_file()),
                    key=lambda p: int(p.name[5:]))
-    return steps[-1] if steps else None
+    if not steps:
+        return None  # not a distributed checkpoint (a single-process root has the same `latest` file)
+    if named is not None:
+        log.warning("%s names %s, which is not a complete distributed checkpoint; using the newest complete one, "
+                    "%s", f, named.name, steps[-1].name)
+    return steps[-1]
 
 
 def read_meta(path) -> dict:
