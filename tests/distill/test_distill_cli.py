@@ -17,11 +17,14 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
     assert info["teachers"] == {"arith/low": "arith-low"} and info["tokenizer_sha256"] == domain_tokenizer.fingerprint
     assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000002"
     capsys.readouterr()
-    # a second call finds the stages trained and does not redo them
-    assert main(["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--out", str(t), "--cells",
-                 "arith/low", "--base-steps", "2", "--steps", "1", "--max-context", "128",
-                 "--budgets", "low=2,medium=3,high=4", "-q"]) == 0
+    # a second call with the same flags finds the stages trained and does not redo them
+    again = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--out", str(t), "--cells",
+             "arith/low", "--base-steps", "2", "--steps", "1", "--max-context", "128",
+             "--budgets", "low=2,medium=3,high=4", "-q"]
+    assert main(again + ["--batch-size", "2"]) == 0
     assert "already trained" in capsys.readouterr().out
+    assert main(again) == 2  # another batch size: not silently the stage trained with batch 2
+    assert "batch_size 2 (now 16)" in capsys.readouterr().err
 
     assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "2",
                  "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q"]) == 0
@@ -85,6 +88,11 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
     assert "holds another tokenizer" in capsys.readouterr().err
     assert main(teach + ["--budgets", "low=2,medium=3,high=5"]) == 2
     assert "has budgets {'low': 2, 'medium': 3, 'high': 4}" in capsys.readouterr().err
+    # a base trained further leaves its teachers stale: refused, not reused
+    bs = ["--batch-size", "2", "--budgets", "low=2,medium=3,high=4"]
+    further = teach[:teach.index("--base-steps") + 1] + ["4"] + teach[teach.index("--base-steps") + 2:]
+    assert main([*further, *bs, "--resume"]) == 2
+    assert "arith-low was trained with other settings: base" in capsys.readouterr().err
     (t / "tokenizer.json").write_text(other.path.read_text())  # swapped behind the teachers' back
     assert main(["distill", "eval", "--teachers", str(t), "--model", f"mopd={m}", "--cells", "arith/low", "--n", "1",
                  "-q"]) == 2
@@ -135,3 +143,20 @@ def test_cells_split_over_processes_keep_each_others_teachers(tmp_path, domain_t
     assert main(common + ["--cells", "text/high"]) == 0
     listed = json.loads((t / "teachers.json").read_text())["teachers"]
     assert listed == {"arith/low": "arith-low", "pyfunc/low": "pyfunc-low", "text/high": "text-high"}
+
+
+def test_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    t = tmp_path / "teachers"
+    teach = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--out", str(t), "--cells", "arith/low",
+             "--base-steps", "1", "--steps", "1", "--batch-size", "2", "--max-context", "128", "-q"]
+    assert main([*teach, "--vocab-size", "300"]) == 0
+    assert main([*teach, "--vocab-size", "320"]) == 2  # the directory's tokenizer has 300: not silently that one
+    assert "vocab_size 300 (asked: 320)" in capsys.readouterr().err
+    assert main(["distill", "mopd", "--teachers", str(t), "--out", str(tmp_path / "m"), "--token-budget", "5",
+                 "--match-tokens", str(tmp_path), "-q"]) == 2
+    assert "give one" in capsys.readouterr().err
+    assert main(["distill", "mopd", "--teachers", str(t), "--out", str(tmp_path / "m"), "--mode", "off-policy",
+                 "--kl", "sampled", "-q"]) == 2
+    assert "applies to on-policy" in capsys.readouterr().err
+    assert main(["distill", "eval", "--teachers", str(t), "--plot", str(tmp_path / "g.png"), "-q"]) == 2
+    assert "--gap-run" in capsys.readouterr().err

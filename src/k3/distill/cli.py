@@ -108,18 +108,28 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     budgets = _parse_budgets(args.budgets)
     cells = _parse_cells(args.cells)
     domains = make_domains()
-    tok_path = out / "tokenizer.json"
+    tok_path, settings_path = out / "tokenizer.json", out / "tokenizer.settings.json"
+    want = {"vocab_size": args.vocab_size, "seed": args.seed}  # what a tokenizer built here is made from
+    tok = None
     if args.tokenizer:
         tok = load_tokenizer(args.tokenizer)
         if tok_path.is_file() and load_tokenizer(tok_path).fingerprint != tok.fingerprint and not args.overwrite:
             raise ValueError(f"{tok_path} holds another tokenizer; teachers in one directory share one (pass "
                              "--overwrite to replace it and retrain everything, or another --out)")
         tok.save(tok_path)
+        settings_path.unlink(missing_ok=True)  # given, not built from settings
     elif tok_path.is_file():
-        tok = load_tokenizer(tok_path)
-    else:
+        have = json.loads(settings_path.read_text()) if settings_path.is_file() else None
+        if have is None or have == want:  # built with these settings, given earlier, or from an older k3
+            tok = load_tokenizer(tok_path)
+        elif not args.overwrite:
+            diff = ", ".join(f"{k} {have.get(k)!r} (asked: {v!r})" for k, v in want.items() if have.get(k) != v)
+            raise ValueError(f"{tok_path} was built with other settings: {diff}. Pass the same flags, --overwrite "
+                             "to rebuild it and retrain every stage, or another --out")
+    if tok is None:
         tok = train_tokenizer(tokenizer_texts(domains, seed=args.seed), args.vocab_size, path=tok_path,
                               allow_short=True)
+        atomic_write_json(settings_path, want)
         print(f"tokenizer  {tok_path} ({tok.vocab_size} tokens, trained on the three domains)")
     config = config_from_args(args)
     if any(s.startswith("vocab_size=") for s in args.set) and config.vocab_size != tok.vocab_size:
@@ -145,6 +155,12 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         latest = ckpt.latest_checkpoint(run / "checkpoint")
         if latest is not None and not args.overwrite:
             manifest = ckpt.read_manifest(latest, verify=False)
+            want = {"seed": args.seed, "batch_size": args.batch_size, **stage_extra}
+            have = manifest.get("data") or {}
+            changed = [f"{k} {have[k]!r} (now {v!r})" for k, v in want.items() if k in have and have[k] != v]
+            if changed:
+                raise ValueError(f"{run} was trained with other settings: {'; '.join(changed)}. Pass the same flags, "
+                                 "or --overwrite to retrain every stage")
             if int(manifest["step"]) >= steps:
                 ckpt.load_checkpoint(latest, model, config=config, restore_rng=False)
                 print(f"{name:<14} already trained ({manifest['step']} steps): {latest}")
@@ -176,6 +192,10 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         return out_
 
     stage("base", base, base_examples, args.base_steps, args.lr, {"cell": "all"})
+    from k3.distill.mopd import checkpoint_identity
+
+    # each teacher records the base it was fine-tuned from: a base trained further makes it stale
+    base_id = checkpoint_identity(ckpt.read_manifest(ckpt.latest_checkpoint(out / "base" / "checkpoint"), verify=False))
     listed = dict(info.get("teachers", {}))
     for d, e in cells:
         name = f"{d}-{e}"
@@ -185,7 +205,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
             return [sft_example(domains[d], domains[d].sample(problem_rng("sft", args.seed, d, e, step, j)), e, tok,
                                 budgets) for j in range(args.batch_size)]
 
-        stage(name, teacher, examples, args.steps, teacher_lr, {"cell": cell_name(d, e)})
+        stage(name, teacher, examples, args.steps, teacher_lr, {"cell": cell_name(d, e), "base": base_id})
         # another process may have trained other cells of this directory meanwhile (--cells splits the matrix
         # over processes): keep what it listed, when it shares this run's tokenizer and budgets
         if info_path.is_file() and not args.overwrite:
@@ -217,7 +237,7 @@ def _eval_closure(out: Path, teachers, student, domains, tok, mc, args):
     problems = {c: ps for c, ps in eval_problems(domains, mc.eval_n, mc.eval_seed).items() if c in mc.cells}
     key = {"eval_n": mc.eval_n, "eval_seed": mc.eval_seed, "budgets": mc.budgets,
            "max_answer_tokens": mc.max_answer_tokens,
-           "teachers": {cell_name(*c): teachers.sources.get(c, "") for c in mc.cells},
+           "teachers": {cell_name(*c): teachers.identities.get(c, teachers.sources.get(c, "")) for c in mc.cells},
            "teachers_dir": str(Path(args.teachers).resolve())}
     cache = out / "teacher_eval.json"
     teacher_res = None
@@ -257,6 +277,8 @@ def cmd_mopd(args: argparse.Namespace) -> int:
                     reward_coef=args.reward_coef, budgets=dict(info["budgets"]), eval_n=args.eval_n,
                     eval_seed=args.eval_seed).validate()
     token_budget = args.token_budget
+    if args.match_tokens and token_budget is not None:
+        raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     if args.match_tokens:
         recs = [r for r in read_metrics(Path(args.match_tokens) / "metrics.jsonl") if r.get("kind") == "train"]
         if not recs:
@@ -308,6 +330,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from k3.train.cli import set_threads
     from k3.train.metrics import read_metrics
 
+    if args.plot and not args.gap_run:
+        raise ValueError("--plot names the gap plot of --gap-run RUN_DIR; give --gap-run too")
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
     budgets = info["budgets"]

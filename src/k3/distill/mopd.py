@@ -116,13 +116,15 @@ class TeacherMatrix:
     """One teacher per (domain, effort) cell; several cells may share a model (the single-teacher baseline)."""
 
     def __init__(self, teachers: dict[tuple[str, str], torch.nn.Module],
-                 sources: dict[tuple[str, str], str] | None = None):
+                 sources: dict[tuple[str, str], str] | None = None,
+                 identities: dict[tuple[str, str], dict] | None = None):
         if not teachers:
             raise ValueError("the teacher matrix is empty")
         for cell in teachers:
             parse_cell(cell_name(*cell))
         self.teachers = dict(teachers)
         self.sources = dict(sources or {})
+        self.identities = dict(identities or {})  # cell -> {"source", "step", "weights_sha256"} of its checkpoint
         for m in self.teachers.values():
             m.eval()
             for p in m.parameters():
@@ -160,7 +162,9 @@ class TeacherMatrix:
         """Each row sampled from its cell's teacher (the off-policy baseline's data)."""
         parts = []
         for k, (m, rows) in enumerate(self._groups(cells)):
-            g = torch.Generator().manual_seed(seed + 7919 * k)
+            # one stream per (step seed, group): seed + 7919 k collided with the next step's (step_seed advances
+            # by 7919 per step), so teacher k re-drew teacher k-1's numbers of the step before
+            g = torch.Generator().manual_seed(stream_seed(seed, k))
             parts.append((rows, sample(m, [prompts[i] for i in rows], [budgets[i] for i in rows],
                                        max_answer_tokens, temperature, g)))
         return merge_rollouts(parts, len(prompts))
@@ -208,7 +212,7 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
     info = read_teachers_file(teachers_dir)
     listed = info.get("teachers", {})
     loaded: dict[str, torch.nn.Module] = {}
-    teachers, sources = {}, {}
+    teachers, sources, identities, ident = {}, {}, {}, {}
     for d, e in cells:
         src = cell_name(d, check_effort(single_effort) if single_effort else e)
         if src not in listed:
@@ -218,9 +222,18 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
             path = Path(teachers_dir) / listed[src] / "checkpoint"
             model, manifest = load_trained_model(path)
             check_same_tokenizer(f"teacher {src}", path, manifest, tokenizer_sha256, vocab_size)
-            loaded[src] = model
-        teachers[(d, e)], sources[(d, e)] = loaded[src], src
-    return TeacherMatrix(teachers, sources)
+            loaded[src], ident[src] = model, {"source": src, **checkpoint_identity(manifest)}
+        teachers[(d, e)], sources[(d, e)], identities[(d, e)] = loaded[src], src, ident[src]
+    return TeacherMatrix(teachers, sources, identities)
+
+
+def checkpoint_identity(manifest: dict) -> dict:
+    """What names a trained model's weights: its step and the sha256 of its weights file (from the manifest,
+    which verified it on load); retraining or swapping a teacher changes it."""
+    from k3.train.checkpoint import MODEL_FILE
+
+    entry = (manifest.get("files") or {}).get(MODEL_FILE) or {}
+    return {"step": manifest.get("step"), "weights_sha256": entry.get("sha256") if isinstance(entry, dict) else None}
 
 
 # ---------------------------------------------------------------------- the MOPD run
@@ -259,6 +272,9 @@ class MOPDConfig:
             raise ValueError(f"reward_coef = {self.reward_coef} must be >= 0")
         if self.reward_coef > 0 and self.mode != "on-policy":
             raise ValueError("the verifier reward (reward_coef > 0) needs on-policy samples; use mode on-policy")
+        if self.kl != "full" and self.mode != "on-policy":
+            raise ValueError(f"kl = {self.kl} applies to on-policy distillation; the off-policy baseline trains on "
+                             "the teachers' samples with cross-entropy: drop --kl or use mode on-policy")
         self.budgets = check_budgets(self.budgets)
         return self
 
@@ -270,6 +286,13 @@ class MOPDConfig:
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + 17) % (2 ** 62)
+
+
+def stream_seed(seed: int, k: int) -> int:
+    """A generator seed for stream k of a step seeded `seed`, independent of every other (seed, k)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"k3-mopd-stream:{seed}:{k}".encode()).digest()[:8], "little") % (2 ** 62)
 
 
 def batch_problems(domains: dict[str, Domain], mc: MOPDConfig, seed: int, step: int):
@@ -343,7 +366,8 @@ def run_mopd(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domai
         raise ValueError(f"the student's vocab_size ({student.config.vocab_size}) is not its tokenizer's "
                          f"({tokenizer.vocab_size}); load the student trained with this tokenizer")
     resume_fields = {"mopd": {k: v for k, v in mc.to_dict().items() if k not in ("eval_n", "eval_seed")},
-                     "teachers": {cell_name(*c): teachers.sources.get(c, "") for c in mc.cells}}
+                     "teachers": {cell_name(*c): teachers.identities.get(c, teachers.sources.get(c, ""))
+                                  for c in mc.cells}}
     loop = StepLoop(student, lc, out_dir, {"kind": f"mopd-{mc.mode}", "tokenizer_sha256": tokenizer.fingerprint,
                                            **(manifest_extra or {})}, resume_fields)
     return loop.fit(mopd_step_fn(student, teachers, tokenizer, domains, mc, lc.seed), resume=resume,
