@@ -198,6 +198,17 @@ def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
     assert not prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0).reused
     loaded = load_data(out)
     assert torch.equal(loaded.train.get_batch(3, 2, 16)[0], load_data(out).train.get_batch(3, 2, 16)[0])
+    # another corpus would replace this data (and strand checkpoints trained on it): refused unless forced
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(4):
+        (other / f"o{i}.txt").write_text(f"another corpus, document {i}\n" * 30)
+    before = (out / "train.bin").read_bytes()
+    with pytest.raises(ValueError, match="holds data tokenized from directory .* use another directory, or "
+                                         "`k3 tokenize --force`"):
+        prepare_data(out, str(other), vocab_size=300)
+    assert (out / "train.bin").read_bytes() == before
+    assert "other" in prepare_data(out, str(other), vocab_size=280, force=True).info["request"]["source"]
 
 
 def test_cli_tokenize(text_dir, tmp_path, capsys):

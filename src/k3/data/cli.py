@@ -61,6 +61,7 @@ def register(sub) -> None:
     p.add_argument("--decontaminate", type=float, default=0.5, metavar="SHARE",
                    help="leave out validation documents whose text is at least this share lines found verbatim in "
                         "the training split (default 0.5; 0 keeps all)")
-    p.add_argument("--force", action="store_true", help="rebuild even if --out already holds this data")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild even if --out already holds this data, or replace data of another corpus there")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_tokenize)

@@ -299,6 +299,22 @@ def load_data(out_dir: str | os.PathLike) -> DataFiles:
     return DataFiles(out_dir, tok, load_dataset(out_dir, "train", tok), load_dataset(out_dir, "val", tok), info)
 
 
+def held_source(data_dir: str | os.PathLike) -> str | None:
+    """The corpus description recorded in DATA_DIR/data.json, or None (no data there, or unreadable)."""
+    try:
+        source = json.loads((Path(data_dir) / DATA_MANIFEST).read_text(encoding="utf-8")).get("request", {}).get("source")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
+def same_corpus(a: str, b: str) -> bool:
+    """Two corpus descriptions name the same corpus; any Python's standard library counts as one."""
+    from k3.data.corpus import STDLIB_SOURCE
+
+    return a == b or (a.startswith(STDLIB_SOURCE + " ") and b.startswith(STDLIB_SOURCE + " "))
+
+
 def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_bytes: int | None = None, tokenizer_max_bytes: int = DEFAULT_TOKENIZER_MAX_BYTES,
                  val_fraction: float = DEFAULT_VAL_FRACTION, progress: bool = False,
@@ -326,6 +342,11 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
         "vocab_size": vocab_size, "max_bytes": max_bytes, "tokenizer_max_bytes": tokenizer_max_bytes,
         "val_fraction": val_fraction, "decontaminate": decontaminate,
     }
+    held = held_source(out_dir)
+    if not force and held is not None and not same_corpus(held, corpus.description):
+        raise ValueError(f"{out_dir} holds data tokenized from {held}; tokenizing {corpus.description} there would "
+                         "replace it (and strand the checkpoints trained on it): use another directory, or "
+                         "`k3 tokenize --force` to replace it")
     if not force and (out_dir / DATA_MANIFEST).is_file():
         try:
             files = load_data(out_dir)

@@ -337,23 +337,16 @@ def _check_demo_dirs(data: Path, out: Path) -> None:
     """The demo tokenizes the standard library into --data and replaces the run in --out: refuse directories
     that hold something else (another corpus's data; a `k3 train` run), so nothing of the user's is lost."""
     from k3.data.corpus import STDLIB_SOURCE
-    from k3.data.dataset import DATA_MANIFEST
+    from k3.data.dataset import held_source, same_corpus
 
     if data.is_file() or out.is_file():
         raise ValueError(f"{data if data.is_file() else out} is a file; the demo needs directories for --data and "
                          "--out")
-    info = data / DATA_MANIFEST
-    if info.is_file():
-        try:
-            source = json.loads(info.read_text(encoding="utf-8")).get("request", {}).get("source")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            source = None  # damaged: prepare_data rebuilds it
-        if not isinstance(source, str):
-            source = None
-        # any Python's standard library (an earlier demo, maybe under another interpreter) is the demo's to replace
-        if source is not None and not source.startswith(STDLIB_SOURCE + " "):
-            raise ValueError(f"--data {data} holds data tokenized from {source}; the demo tokenizes the Python "
-                             "standard library and would replace it: give the demo a --data of its own")
+    source = held_source(data)  # None: nothing there, or damaged (prepare_data rebuilds it)
+    # any Python's standard library (an earlier demo, maybe under another interpreter) is the demo's to replace
+    if source is not None and not same_corpus(source, STDLIB_SOURCE + " "):
+        raise ValueError(f"--data {data} holds data tokenized from {source}; the demo tokenizes the Python "
+                         "standard library and would replace it: give the demo a --data of its own")
     ran = [p for p in (out / "checkpoint", out / "metrics.jsonl") if p.exists()]
     if ran and not (out / DEMO_MARK).is_file() and not (out / "summary.json").is_file():
         raise ValueError(f"--out {out} holds a run that is not a demo's ({ran[0].name}); the demo starts over in "
