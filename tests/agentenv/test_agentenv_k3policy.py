@@ -87,7 +87,7 @@ def test_context_overflow_ends_the_episode(model, tok, task, sandbox):
         p.act(rec["transcript"][:2])
 
 
-def test_k3_policy_by_spec_from_a_checkpoint(tmp_path, model, tok, task, sandbox):
+def test_k3_policy_by_spec_from_a_checkpoint(tmp_path, model, tok, task, sandbox, monkeypatch):
     from k3.train.checkpoint import save_checkpoint
     save_checkpoint(tmp_path / "checkpoint", 1, model, config=model.config, data_state={"tokenizer": str(tok.path)})
     p = make_policy({"kind": "k3", "ckpt": str(tmp_path / "checkpoint"), "max_tokens": 8, "temperature": 0.0})
@@ -104,6 +104,17 @@ def test_k3_policy_by_spec_from_a_checkpoint(tmp_path, model, tok, task, sandbox
     (line,) = out.read_text().splitlines()
     assert json.loads(line)["policy"] == "k3"
     assert main(["agentenv", "run", "--policy", "k3"]) == 2  # no --ckpt: a clear error
+    # a checkpoint that is not there fails before any episode (it used to be one policy_error per episode, exit 0)
+    assert main(["agentenv", "run", "--tasks", "files-rename-ext", "--policy", "k3", "--ckpt",
+                 str(tmp_path / "nope"), "--out", str(tmp_path / "n.jsonl")]) == 2
+    assert not (tmp_path / "n.jsonl").exists()
+    # --max-tokens reaches the http policy too (it always asked for 2048)
+    import k3.agentenv.rollout as rollout
+    seen = {}
+    monkeypatch.setattr(rollout, "run_rollouts", lambda tasks, spec, *a, **k: seen.update(spec) or [])
+    main(["agentenv", "run", "--tasks", "files-rename-ext", "--policy", "http", "--base-url", "http://127.0.0.1:9",
+          "--model", "m", "--max-tokens", "64", "--json"])
+    assert seen.get("max_tokens") == 64
 
 
 @contextlib.contextmanager

@@ -29,7 +29,8 @@ def register(subparsers) -> None:
     r.add_argument("--policy", default="reference", choices=["reference", "noop", "http", "k3"])
     r.add_argument("--ckpt", default=None, help="checkpoint directory or root (k3 policy)")
     r.add_argument("--tokenizer", default=None, help="tokenizer.json (k3 policy; default: the one the checkpoint names)")
-    r.add_argument("--max-tokens", type=int, default=256, help="longest reply per turn (k3 policy)")
+    r.add_argument("--max-tokens", type=int, default=None,
+                   help="longest reply per turn (default 256 for the k3 policy, 2048 for http)")
     r.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (http policy)")
     r.add_argument("--model", default=None, help="model name (http policy)")
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
@@ -104,14 +105,18 @@ def _run(args) -> int:
     spec = {"kind": args.policy}
     if args.policy == "http":
         spec.update(base_url=args.base_url, model=args.model, temperature=args.temperature,
-                    api_key=os.environ.get(args.api_key_env))
+                    api_key=os.environ.get(args.api_key_env), max_tokens=args.max_tokens or 2048)
         if not args.base_url or not args.model:
             raise ValueError("--policy http needs --base-url and --model")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
     if args.policy == "k3":
         if not args.ckpt:
             raise ValueError("--policy k3 needs --ckpt (a checkpoint directory or root)")
+        from .policies import _load_k3
+        _load_k3(str(args.ckpt), None if args.tokenizer is None else str(args.tokenizer))  # fails here, not per episode
         spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=args.temperature,
-                    max_tokens=args.max_tokens, seed=args.seed)
+                    max_tokens=args.max_tokens or 256, seed=args.seed)
     dialects = tuple(d.strip() for d in args.dialects.split(",")) if args.dialects else DIALECTS
     for d in dialects:
         if d not in DIALECTS:
