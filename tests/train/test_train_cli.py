@@ -34,6 +34,17 @@ def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
     for flag in ("--max-batches", "--batch-size", "--seq-len"):
         assert main(["eval", "--ckpt", str(out / "checkpoint"), flag, "0"]) == 2
         assert f"{flag} 0 must be >= 1" in capsys.readouterr().err
+    # data or a tokenizer of the same size but another tokenizer: other ids, wrong figures and text; refused
+    from k3.data import prepare_data
+    other = prepare_data(tmp_path / "other", vocab_size=512, max_bytes=150_000)
+    from k3.data import load_tokenizer
+    trained = load_tokenizer(tiny_data_dir / "tokenizer.json")
+    assert other.tokenizer.vocab_size == trained.vocab_size and other.tokenizer.fingerprint != trained.fingerprint
+    assert main(["eval", "--ckpt", str(out / "checkpoint"), "--data", str(tmp_path / "other")]) == 2
+    assert "tokenized with another tokenizer than the model's training data" in capsys.readouterr().err
+    assert main(["sample", "--ckpt", str(out / "checkpoint"), "--tokenizer", str(tmp_path / "other" / "tokenizer.json"),
+                 "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    assert "is not the one the model's training data was tokenized with" in capsys.readouterr().err
 
     assert main(["eval", "--ckpt", str(out / "checkpoint"), "--batch-size", "2", "--max-batches", "3",
                  "--json"]) == 0

@@ -373,7 +373,8 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         try:
             tok = load_tokenizer(named)
         except ValueError as err:
-            hint = "" if tokenizer_path else " (the path the checkpoint's manifest names; pass tokenizer_path)"
+            hint = "" if tokenizer_path else (" (the path the checkpoint's manifest names; pass --tokenizer PATH, "
+                                              "tokenizer_path in Python)")
             raise ValueError(f"{err}{hint}") from None
         check_tokenizer(tok, model.config)
         trained = (manifest.get("data") or {}).get("tokenizer_hash")

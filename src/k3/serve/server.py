@@ -107,28 +107,14 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike 
                      config_path: str | os.PathLike | None = None, device: str = "cpu"):
     """(model, tokenizer, manifest) with every mismatch found now, not at the first request."""
     from k3.config import K3Config
-    from k3.data import load_tokenizer
     from k3.train.checkpoint import check_config
-    from k3.train.trainer import load_trained_model
+    from k3.train.trainer import checkpoint_tokenizer, load_trained_model
 
     model, manifest = load_trained_model(ckpt, device)
     if config_path is not None:
         check_config(manifest.get("config"), K3Config.from_dict(json.loads(Path(config_path).read_text())),
                      f"{manifest['path']}/manifest.json")
-    tok_path = tokenizer_path or manifest.get("data", {}).get("tokenizer")
-    if not tok_path:
-        raise ValueError(f"the checkpoint {manifest['path']} does not name its tokenizer; pass --tokenizer PATH")
-    tokenizer = load_tokenizer(tok_path)
-    if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
-    data_dir = manifest.get("data", {}).get("data_dir")
-    if data_dir and (Path(data_dir) / "train.json").is_file():
-        want = json.loads((Path(data_dir) / "train.json").read_text()).get("tokenizer_hash")
-        if want and want != tokenizer.fingerprint:
-            raise ValueError(f"tokenizer {tok_path} is not the one the model's training data ({data_dir}) was "
-                             "tokenized with; pass that tokenizer.json")
-    return model, tokenizer, manifest
+    return model, checkpoint_tokenizer(manifest, model.config.vocab_size, tokenizer_path), manifest
 
 
 # ---------------------------------------------------------------------- request parsing

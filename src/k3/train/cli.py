@@ -180,7 +180,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data_dir = args.data or manifest.get("data", {}).get("data_dir")
     if not data_dir:
         raise ValueError("the checkpoint does not name its data; pass --data DIR")
+    if not args.data and not Path(data_dir).exists():
+        raise ValueError(f"the data the checkpoint was trained on ({data_dir}) is gone; pass --data DIR, a directory "
+                         "tokenized with the same tokenizer")
     files = load_data_dir(data_dir)
+    trained = (manifest.get("data") or {}).get("tokenizer_hash")
+    if trained and files.tokenizer.fingerprint != trained:
+        raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than the model's training data "
+                         f"(vocabulary {files.tokenizer.vocab_size}); its token ids would mean other text to the "
+                         "model: pass --data of the data the model was trained on")
     seq_len = args.seq_len or manifest.get("data", {}).get("seq_len") or 256
     from k3.train.trainer import check_dataset
 
@@ -225,17 +233,10 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, tempe
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from k3.data import load_tokenizer
-    from k3.train.trainer import load_trained_model, resolve_device
+    from k3.train.trainer import checkpoint_tokenizer, load_trained_model, resolve_device
 
     model, manifest = load_trained_model(args.ckpt, resolve_device(args.device))
-    tok_path = args.tokenizer or manifest.get("data", {}).get("tokenizer")
-    if not tok_path:
-        raise ValueError("the checkpoint does not name its tokenizer; pass --tokenizer PATH")
-    tokenizer = load_tokenizer(tok_path)
-    if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                         f"{model.config.vocab_size}; pass the tokenizer the model was trained with")
+    tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
     for i in range(args.num_samples):
         text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                              args.seed + i)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -637,6 +638,36 @@ def train(config: K3Config, train_data, val_data=None, out_dir: str | os.PathLik
     """Build a Trainer from `TrainConfig(**train_kwargs)` and run it."""
     trainer = Trainer(config, TrainConfig(**train_kwargs), train_data, val_data, out_dir, overwrite=overwrite)
     return trainer, trainer.fit(resume=resume, on_step=on_step, on_eval=on_eval)
+
+
+def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
+    """The tokenizer a trained model reads: `tokenizer_path`, else the one its manifest names; refused when its
+    size is not the model's or it is not the tokenizer the training data was tokenized with (same size, other
+    ids would give wrong text without any error)."""
+    from k3.data import load_tokenizer
+
+    data = manifest.get("data") or {}
+    tok_path = tokenizer_path or data.get("tokenizer")
+    if not tok_path:
+        raise ValueError(f"the checkpoint {manifest.get('path')} does not name its tokenizer; pass --tokenizer PATH")
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except ValueError as err:
+        if tokenizer_path is not None:
+            raise
+        raise ValueError(f"{err}. That is the tokenizer the checkpoint names; pass --tokenizer PATH to the "
+                         "tokenizer.json the model was trained with") from None
+    if tokenizer.vocab_size != vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{vocab_size}; pass the tokenizer the model was trained with")
+    trained = data.get("tokenizer_hash")
+    if not trained and data.get("data_dir") and (Path(data["data_dir"]) / "train.json").is_file():
+        trained = json.loads((Path(data["data_dir"]) / "train.json").read_text()).get("tokenizer_hash")
+    if trained and trained != tokenizer.fingerprint:
+        raise ValueError(f"tokenizer {tok_path} is not the one the model's training data was tokenized with "
+                         f"(fingerprint {tokenizer.fingerprint[:12]}..., trained with {trained[:12]}...); pass "
+                         "that tokenizer.json")
+    return tokenizer
 
 
 def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
