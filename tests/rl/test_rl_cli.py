@@ -31,6 +31,10 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
     assert (tmp_path / "exp/intent.json").is_file()
     assert main(["rl", "plot", "--root", root, "--runs", "fixed", "--json"]) == 0
     assert (tmp_path / "exp/reward.png").stat().st_size > 0
+    before = (tmp_path / "exp/reward.png").read_bytes()
+    assert main(["rl", "plot", "--root", root, "--runs", "nosuch"]) == 2  # not an empty plot over the real one
+    assert "no training metrics for run(s) nosuch" in capsys.readouterr().err
+    assert (tmp_path / "exp/reward.png").read_bytes() == before
     # resuming a finished run is allowed; starting over on top of it needs --overwrite
     assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
                  "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed"]) == 2
