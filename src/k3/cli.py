@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Parts that contribute subcommands; a part whose optional dependencies are missing is skipped.
@@ -45,11 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    # third-party import-time notices that say nothing about the command (torchao's CUDA-only kernels cannot load
+    # on a CPU build; torch's pytree deprecation notes about torchao's enums)
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # `k3 ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
             FileExistsError) as e:  # a bad path given on the command line: its message names the path
         hint = "; a path given as a directory is a file (or the reverse): pass another one" \
