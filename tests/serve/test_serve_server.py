@@ -330,6 +330,12 @@ def test_startup_rejects_mismatched_checkpoint_and_tokenizer(tiny_checkpoint, tm
         load_for_serving(tiny_checkpoint, other.path)
     assert main(["serve", "--ckpt", str(tiny_checkpoint), "--tokenizer", str(other.path), "--port", "1"]) == 2
     assert "pass the tokenizer the model was trained with" in capsys.readouterr().err
+    with socket.socket() as busy:  # a port another server holds: one line, exit 2
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--ckpt", str(tiny_checkpoint), "--port", str(port)]) == 2
+        assert f"127.0.0.1:{port} is already in use" in capsys.readouterr().err
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**manifest["config"], "d_model": 128}))

@@ -194,7 +194,7 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     for old in held:  # all earlier exports (checked above); pruning keeps a higher step than the new one
         if old != path:
             shutil.rmtree(old, ignore_errors=True)
-    log.info("exported %s -> %s (%s routed experts, %.3f bits/param)", manifest["path"], path, fmt,
+    log.debug("exported %s -> %s (%s routed experts, %.3f bits/param)", manifest["path"], path, fmt,
              info["routed_bits_per_param"] or 0)
     return path
 

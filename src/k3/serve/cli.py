@@ -29,6 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     threads = set_threads(args.threads)
     model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, resolve_device(args.device))
+    sock = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk)
@@ -37,8 +38,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"k3 serve: {name} from {manifest['path']} (step {manifest.get('step')}), context "
           f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s); "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on (uvicorn.run swallows it the same way)
+        pass
+    finally:
+        sock.close()
     return 0
+
+
+def _bind(host: str, port: int):
+    import errno
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use; pick another --port") from None
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port") from None
+    return sock
 
 
 def register(sub) -> None:

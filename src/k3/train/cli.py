@@ -375,8 +375,8 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model on tokenized data (see `k3 tokenize`)",
-                       description="Train a K3 model. Writes OUT/metrics.jsonl, OUT/{loss,experts,attnres}.png "
-                                   "and OUT/checkpoint/step_XXXXXX/.")
+                       description="Train a K3 model. Writes OUT/metrics.jsonl, OUT/checkpoint/step_XXXXXX/ and, "
+                                   "in a single process, OUT/{loss,experts,attnres}.png.")
     add_config_args(p, default="mini")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"directory written by `k3 tokenize` (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")

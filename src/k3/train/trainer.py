@@ -441,7 +441,7 @@ class Trainer:
         self.step = int(manifest["step"])
         self.tokens = int(manifest.get("extra", {}).get("tokens", 0))
         if self.step >= self.tc.steps:
-            log.warning("checkpoint is at step %d, already >= steps = %d; nothing to train", self.step, self.tc.steps)
+            log.debug("checkpoint is at step %d, already >= steps = %d; nothing to train", self.step, self.tc.steps)
         log.info("resumed from %s at step %d", manifest["path"], self.step)
         return manifest
 
