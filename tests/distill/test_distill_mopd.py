@@ -153,6 +153,8 @@ def test_config_validation():
         mopd.MOPDConfig(mode="sideways").validate()
     with pytest.raises(ValueError, match="needs on-policy"):
         mopd.MOPDConfig(mode="off-policy", reward_coef=0.5).validate()
+    with pytest.raises(ValueError, match="REINFORCE term"):
+        mopd.MOPDConfig(reward_coef=0.5, temperature=0.3).validate()
     with pytest.raises(ValueError, match="kl = sampled applies to on-policy"):  # it used to be recorded, unused
         mopd.MOPDConfig(mode="off-policy", kl="sampled").validate()
     with pytest.raises(ValueError, match="unknown effort"):

@@ -272,6 +272,10 @@ class MOPDConfig:
             raise ValueError(f"reward_coef = {self.reward_coef} must be >= 0")
         if self.reward_coef > 0 and self.mode != "on-policy":
             raise ValueError("the verifier reward (reward_coef > 0) needs on-policy samples; use mode on-policy")
+        if self.reward_coef > 0 and self.temperature != 1.0:
+            raise ValueError(f"reward_coef > 0 with temperature = {self.temperature}: the REINFORCE term's gradient uses "
+                             "the student's log-probs at temperature 1, unbiased only for samples drawn at 1; use "
+                             "temperature 1")
         if self.kl != "full" and self.mode != "on-policy":
             raise ValueError(f"kl = {self.kl} applies to on-policy distillation; the off-policy baseline trains on "
                              "the teachers' samples with cross-entropy: drop --kl or use mode on-policy")
