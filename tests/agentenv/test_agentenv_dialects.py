@@ -146,3 +146,18 @@ def test_apply_patch():
                 "*** Begin Patch\n*** Frobnicate: a\n*** End Patch"):
         with pytest.raises(ParseError):
             parse_patch(bad)
+
+
+def test_results_answer_to_the_call_the_policy_made():
+    """Kimi numbers calls across a conversation: a result names the id the policy gave its call. A codex
+    apply_patch that deletes a file runs as a shell command, but its result is the patch tool's."""
+    k = make_dialect(make_variant("kimi"))
+    (a,) = k.parse("<|tool_calls_section_begin|><|tool_call_begin|>functions.Shell:5<|tool_call_argument_begin|>"
+                   '{"command": "ls"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert a == Action("run", {"command": "ls"}) and a.call == "functions.Shell:5"
+    assert k.render_results([(a, True, "x")]).startswith("## Return of functions.Shell:5\n")
+    c = make_dialect(make_variant("codex"))
+    (d,) = c.parse('to=functions.apply_patch <|constrain|>json<|message|>{"input": "*** Begin Patch\\n'
+                   '*** Delete File: old.txt\\n*** End Patch"}<|call|>')
+    assert d.tool == "run" and d.call == "apply_patch"
+    assert c.render_results([(d, True, "")]).startswith("<|start|>functions.apply_patch to=assistant")

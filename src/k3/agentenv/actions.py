@@ -43,6 +43,10 @@ class ActionError(ValueError):
 class Action:
     tool: str
     args: dict = field(default_factory=dict)
+    # how the policy named the call that gave this action (a dialect's own call id or tool, e.g. kimi's
+    # "functions.Shell:5" or codex's apply_patch for a deleted file), so its result can answer to that name;
+    # not part of what the action does, so not compared
+    call: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict:
         return {"tool": self.tool, **self.args}

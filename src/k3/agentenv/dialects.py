@@ -14,6 +14,7 @@ message is sent back to the policy.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -322,15 +323,19 @@ class KimiDialect(Dialect):
                              + self.render_call(Action("finish", {}), 0))
         out = []
         for ident, raw in calls:
-            m = re.fullmatch(r"(?:functions\.)?([\w.-]+?)(?::\d+)?", ident)
+            m = re.fullmatch(r"(?:functions\.)?([\w.-]+?)(?::(\d+))?", ident)
             if not m:
                 raise ParseError(f"bad tool call id {ident!r}; use functions.NAME:INDEX")
-            out += self._decode_call(m.group(1), _json_args(raw, m.group(1)))
+            call = f"functions.{m.group(1)}:{m.group(2)}" if m.group(2) is not None else None
+            out += [dataclasses.replace(a, call=call) for a in self._decode_call(m.group(1), _json_args(raw, m.group(1)))]
         return out
 
     def render_results(self, results):
         parts = []
         for i, (a, ok, text) in enumerate(results):
+            if a is not None and a.call:  # the id the policy gave its call (Kimi numbers calls across turns)
+                parts.append(f"## Return of {a.call}\n{text}")
+                continue
             name = self.tool_name(a.tool) if a and a.tool in self.v.tools else "error"
             parts.append(f"## Return of functions.{name}:{i}\n{text}")
         return "\n\n".join(parts)
@@ -440,7 +445,7 @@ class CodexDialect(Dialect):
                              + self.render_call(Action("finish", {})))
         out = []
         for name, raw in calls:
-            out += self._decode_call(name, _json_args(raw, name))
+            out += [dataclasses.replace(a, call=name) for a in self._decode_call(name, _json_args(raw, name))]
         return out
 
     def _patch_actions(self, text):
@@ -449,8 +454,11 @@ class CodexDialect(Dialect):
     def render_results(self, results):
         out = []
         for a, ok, text in results:
-            name = self.tool_name(a.tool) if a and a.tool in self.v.tools else (
-                self.tool_name("patch") if a and a.tool in ("write", "edit") else "error")
+            if a is not None and a.call:  # the function the policy called (apply_patch for a deleted file too)
+                name = a.call
+            else:
+                name = self.tool_name(a.tool) if a and a.tool in self.v.tools else (
+                    self.tool_name("patch") if a and a.tool in ("write", "edit") else "error")
             out.append(f"<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>"
                        f"{json.dumps({'output': text, 'success': ok}, ensure_ascii=False)}<|end|>")
         return "\n".join(out)
