@@ -175,36 +175,33 @@ class Router(nn.Module):
 
 
 @contextlib.contextmanager
-def balancing_stats_paused(module: nn.Module):
-    """Inside the block, every Router under `module` routes without accumulating balancing statistics."""
+def _routers_set(module: nn.Module, name: str, value):
+    """Inside the block, attribute `name` of every Router under `module` is `value`; restored after."""
     routers = [m for m in module.modules() if isinstance(m, Router)]
-    before = [r.collect_stats for r in routers]
+    before = [getattr(r, name) for r in routers]
     for r in routers:
-        r.collect_stats = False
+        setattr(r, name, value)
     try:
         yield
     finally:
         for r, b in zip(routers, before):
-            r.collect_stats = b
+            setattr(r, name, b)
 
 
-@contextlib.contextmanager
+def balancing_stats_paused(module: nn.Module):
+    """Inside the block, every Router under `module` routes without accumulating balancing statistics."""
+    return _routers_set(module, "collect_stats", False)
+
+
 def balancing_token_mask(module: nn.Module, mask: torch.Tensor):
     """Inside the block, every Router under `module` counts only the tokens where `mask` ([B, T] bool, the batch
     being forwarded) is True in its balancing statistics: the bias and quantile updates, the aux loss and
     `last_load`. Routing itself is unchanged. Right-padded batches (SFT, GRPO, distillation) pass
     `ids != PAD`, so a column of identical padding tokens does not push its experts' biases down."""
-    routers = [m for m in module.modules() if isinstance(m, Router)]
-    if mask.dtype != torch.bool or mask.dim() != 2:
-        raise ValueError(f"balancing_token_mask wants a [B, T] bool mask, got {tuple(mask.shape)} {mask.dtype}")
-    before = [r.token_mask for r in routers]
-    for r in routers:
-        r.token_mask = mask
-    try:
-        yield
-    finally:
-        for r, b in zip(routers, before):
-            r.token_mask = b
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"balancing_token_mask wants a [B, T] bool tensor, got {getattr(mask, 'shape', mask)!r} "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    return _routers_set(module, "token_mask", mask)
 
 
 def _dist_world() -> int:
