@@ -57,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
-    except BrokenPipeError:  # `k3 ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 0
+    except BrokenPipeError as e:  # `k3 ... | head`: the reader has what it wanted, if it was stdout that broke
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return 0
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)  # another pipe (a worker, a socket)
+        return 1
     except (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError,
             FileExistsError) as e:  # a bad path given on the command line: its message names the path
         hint = "; a path given as a directory is a file (or the reverse): pass another one" \

@@ -38,15 +38,20 @@ def test_mopd_resume_is_exact(tmp_path, small_config, domain_tokenizer):
     assert losses[0] != losses[1]  # the steps did change the student
     with pytest.raises(ValueError, match="--resume"):
         _mopd(small_config, domain_tokenizer, tmp_path / "b", 2)  # a run that exists is not silently replaced
-    # a resume with other teachers (here: other weights for the same cells) is refused
-    student = _model(small_config, 0)
-    teachers = TeacherMatrix({CELLS[0]: _model(small_config, 1), CELLS[1]: _model(small_config, 2)},
-                             {c: str(c) for c in CELLS},
-                             {c: {"source": str(c), "step": 9, "weights_sha256": "e" * 64} for c in CELLS})
-    mc = MOPDConfig(per_cell=1, cells=CELLS, max_answer_tokens=3, budgets=BUDGETS, eval_n=0)
+    # a run whose teachers are recorded by their weights: a resume with other weights for the same cells is refused
+    def run(out, sha, steps, resume=False):
+        teachers = TeacherMatrix({CELLS[0]: _model(small_config, 1), CELLS[1]: _model(small_config, 2)},
+                                 {c: str(c) for c in CELLS},
+                                 {c: {"source": str(c), "step": 9, "weights_sha256": sha} for c in CELLS})
+        mc = MOPDConfig(per_cell=1, cells=CELLS, max_answer_tokens=3, budgets=BUDGETS, eval_n=0)
+        return run_mopd(_model(small_config, 0), teachers, domain_tokenizer, make_domains(), mc,
+                        LoopConfig(steps=steps, lr=3e-3, warmup_steps=1, seed=5), out, resume=resume)
+    run(tmp_path / "c", "e" * 64, 1)
     with pytest.raises(ValueError, match="'teachers'"):
-        run_mopd(student, teachers, domain_tokenizer, make_domains(), mc, LoopConfig(steps=3, lr=3e-3, warmup_steps=1,
-                                                                                   seed=5), tmp_path / "b", resume=True)
+        run(tmp_path / "c", "f" * 64, 2, resume=True)
+    assert [r["step"] for r in run(tmp_path / "c", "e" * 64, 2, resume=True) if r["kind"] == "train"] == [2]
+    # a run recorded with teacher names only (as before the weights were recorded) still resumes by name
+    assert [r["step"] for r in run(tmp_path / "b", "e" * 64, 3, resume=True) if r["kind"] == "train"] == [3]
 
 
 def test_off_policy_baseline_learns_teacher_samples_to_a_token_budget(tmp_path, small_config, domain_tokenizer):

@@ -57,6 +57,11 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
 
 
 def test_rl_bad_input(tmp_path, capsys):
+    import pytest
+
+    from k3.rl.train import GRPOConfig
+    with pytest.raises(ValueError, match="--max-turns 0 must be a positive integer"):
+        GRPOConfig(max_turns=0).validate()
     root = str(tmp_path / "none")
     assert main(["rl", "train", "--root", root]) == 2
     assert "k3 rl warmstart" in capsys.readouterr().err

@@ -171,6 +171,7 @@ def test_a_step_with_nothing_to_learn_leaves_the_weights_alone(tmp_path, tiny_rl
                 assert r["trained_episodes"] > 0 and r["grad_norm"] > 0
             else:
                 assert r["trained_episodes"] == 0 and r["grad_norm"] == 0.0
+            assert "backward_done" not in r and "skip_update" not in r  # the loop's own flags stay out of metrics
 
     g = GRPOConfig(groups_per_step=2, group_size=3, max_tokens=6)
     lc = LoopConfig(steps=3, lr=1e-2, warmup_steps=2, ckpt_every=0, seed=0)

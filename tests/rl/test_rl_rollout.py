@@ -129,7 +129,7 @@ def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, mo
     nothing about the answer, so the episode is excluded as crashed, not trained on as a failure."""
     import k3.agentenv.verify as verify
     from k3.agentenv.rollout import run_episode
-    from k3.agentenv.sandbox import SandboxError
+    from k3.agentenv.sandbox import SandboxError, SandboxTimeout
     from k3.rl.demos import DemoPolicy
 
     class P:
@@ -143,5 +143,11 @@ def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, mo
         raise SandboxError("the probe could not start")
     monkeypatch.setattr(verify, "run_probe", broken)
     rec = run_episode(task, DemoPolicy(task), 5, cfg)
-    assert rec["status"] == "finished" and rec["reward"] == 0.0 and rec["verifier"]["error"]
+    assert rec["status"] == "finished" and rec["reward"] == 0.0 and rec["verifier"]["error_kind"] == "sandbox"
     assert classify(rec, P()) == ("crashed", "verifier: the probe could not start")
+
+    def slow(*args, **kwargs):  # out of time: the answer's own code may be why, so it keeps its 0
+        raise SandboxTimeout("sandbox did not answer within 60.0s")
+    monkeypatch.setattr(verify, "run_probe", slow)
+    rec = run_episode(task, DemoPolicy(task), 5, cfg)
+    assert rec["verifier"]["error_kind"] == "timeout" and classify(rec, P()) == (None, None)

@@ -31,6 +31,9 @@ def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
                  "--eval-every", "2", "--optimizer", "muon", "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "already at step 5" in printed and f"checkpoint {out / 'checkpoint' / 'step_000005'}" in printed
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(tmp_path / "budget"), "--steps", "5",
+                 "--max-minutes", "0.000001"]) == 0  # a budget that ends before the first step says so
+    assert "time budget (1e-06 min) ended before the first step" in capsys.readouterr().out
     for flag in ("--max-batches", "--batch-size", "--seq-len"):
         assert main(["eval", "--ckpt", str(out / "checkpoint"), flag, "0"]) == 2
         assert f"{flag} 0 must be >= 1" in capsys.readouterr().err

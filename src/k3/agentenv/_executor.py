@@ -98,8 +98,8 @@ def op_read(req):
     st = os.stat(p)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError("%s is not a regular file" % req["path"])
-    offset = int(req.get("offset") or 1)
-    limit = int(req.get("limit") or 2000)
+    offset = 1 if req.get("offset") is None else int(req["offset"])
+    limit = 2000 if req.get("limit") is None else int(req["limit"])
     if offset < 1 or limit < 1:
         raise ValueError("the first line and the number of lines must be >= 1")
     cap, used, chunk, cut, full, total = int(CFG["read_bytes"]), 0, [], False, False, 0

@@ -44,6 +44,10 @@ class SandboxError(RuntimeError):
     """The sandbox died, timed out or replied nonsense; the episode it served is broken."""
 
 
+class SandboxTimeout(SandboxError):
+    """The sandbox did not answer in time: possibly the work it was given (code it ran) rather than the sandbox."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Resource limits for one sandbox. Per-process limits are rlimits; sizes are tmpfs sizes."""
@@ -320,7 +324,7 @@ class _Proc:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise SandboxError(f"sandbox did not answer within {timeout:.1f}s")
+                raise SandboxTimeout(f"sandbox did not answer within {timeout:.1f}s")
             r, _, _ = select.select([fd], [], [], left)
             if not r:
                 continue

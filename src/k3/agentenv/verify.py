@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .sandbox import Probe, SandboxConfig, SandboxError, default_config, run_probe
+from .sandbox import Probe, SandboxConfig, SandboxError, SandboxTimeout, default_config, run_probe
 from .tasks import CHECK_KINDS, Task, check_relpath
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ class VerifyResult:
     passed: bool
     checks: list[dict] = field(default_factory=list)   # {id, kind, label, ok, reason}
     error: str | None = None
+    # "timeout" (the probe ran out of time: the workspace's own code may be why) or "sandbox" (it could not start,
+    # died or answered nonsense: a broken environment, whatever the answer was)
+    error_kind: str | None = None
     duration_s: float = 0.0
 
     def summary(self) -> str:
@@ -54,7 +57,7 @@ class VerifyResult:
         return "all checks passed" if not bad else "; ".join(f"{c['id']}: {c['reason']}" for c in bad[:5])
 
     def to_json(self) -> dict:
-        return {"reward": self.reward, "passed": self.passed, "error": self.error,
+        return {"reward": self.reward, "passed": self.passed, "error": self.error, "error_kind": self.error_kind,
                 "duration_s": round(self.duration_s, 4), "checks": self.checks}
 
 
@@ -276,7 +279,7 @@ def verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig | None = None,
     for c in task.checks:
         if CHECK_KINDS[c["kind"]][0] == "host":
             results[c["id"]] = judge_host(c, snap)
-    error = None
+    error = error_kind = None
     if sandboxed:
         payload = {"entries": export_entries(snap), "runners": _runners(),
                    "checks": [_public(c) for c in sandboxed]}
@@ -287,6 +290,7 @@ def verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig | None = None,
                 raise SandboxError(f"verification probe failed: {reply.get('error', reply)}")
         except SandboxError as e:
             error, obs = str(e), {}
+            error_kind = "timeout" if isinstance(e, SandboxTimeout) else "sandbox"
         for c in sandboxed:
             results[c["id"]] = judge_observation(c, obs.get(c["id"]))
     elif probe is not None:
@@ -296,4 +300,4 @@ def verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig | None = None,
     # all of them ran and all passed; a probe error is never a pass
     passed = error is None and len(checks) == len(task.checks) > 0 and all(c["ok"] for c in checks)
     return VerifyResult(reward=1.0 if passed else 0.0, passed=passed, checks=checks, error=error,
-                        duration_s=time.monotonic() - t0)
+                        error_kind=error_kind, duration_s=time.monotonic() - t0)

@@ -185,12 +185,13 @@ class StepLoop:
         out = step_fn(self.step)
         loss = out.pop("loss")
         model.train()
-        if out.pop("skip_update", False):
+        skip, done = out.pop("skip_update", False), out.pop("backward_done", False)
+        if skip:
             # nothing to learn from (e.g. every GRPO group tied): no optimizer step, so AdamW's momentum does not
             # move the weights; the step still counts (its data was used) and the schedule moves on with it
             grad_norm = torch.zeros(())
         else:
-            if not out.pop("backward_done", False):
+            if not done:
                 loss.backward()
             clip = self.lc.grad_clip if self.lc.grad_clip > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(self._params, clip)

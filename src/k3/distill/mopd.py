@@ -369,9 +369,18 @@ def run_mopd(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domai
     if student.config.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"the student's vocab_size ({student.config.vocab_size}) is not its tokenizer's "
                          f"({tokenizer.vocab_size}); load the student trained with this tokenizer")
+    teacher_ids = {cell_name(*c): teachers.identities.get(c, teachers.sources.get(c, "")) for c in mc.cells}
+    if resume and out_dir is not None:
+        from k3.train import checkpoint as ckpt
+
+        latest = ckpt.latest_checkpoint(Path(out_dir) / "checkpoint")
+        held = (ckpt.read_manifest(latest, verify=False).get("data") or {}).get("teachers") if latest else None
+        if isinstance(held, dict) and held and all(isinstance(v, str) for v in held.values()):
+            # a run from before teachers were recorded by their weights: only their names can be compared
+            log.warning("%s records its teachers by name only; their weights cannot be checked", latest)
+            teacher_ids = {cell_name(*c): teachers.sources.get(c, "") for c in mc.cells}
     resume_fields = {"mopd": {k: v for k, v in mc.to_dict().items() if k not in ("eval_n", "eval_seed")},
-                     "teachers": {cell_name(*c): teachers.identities.get(c, teachers.sources.get(c, ""))
-                                  for c in mc.cells}}
+                     "teachers": teacher_ids}
     loop = StepLoop(student, lc, out_dir, {"kind": f"mopd-{mc.mode}", "tokenizer_sha256": tokenizer.fingerprint,
                                            **(manifest_extra or {})}, resume_fields)
     return loop.fit(mopd_step_fn(student, teachers, tokenizer, domains, mc, lc.seed), resume=resume,

@@ -12,7 +12,8 @@ sampled tokens (tool outputs, instructions and system prompts are context, never
 verified reward, and, when the sample cannot be used, why. `classify` is the one place that decides:
 
 - `context`: the conversation outgrew the model's context (the policy refused to generate);
-- `crashed`: the episode raised, the sandbox or the verifier's sandbox broke, or the engine failed;
+- `crashed`: the episode raised, the sandbox broke, the verifier's sandbox broke (not a verification that
+  ran out of time: that stays a reward of 0), or the engine failed;
 - `reward`: the reward is not a finite number (a bool, a string, NaN, None ...).
 
 Such trajectories are recorded and counted but excluded from the loss; none is ever turned into a
@@ -148,9 +149,11 @@ def classify(record: dict | None, policy: K3EnginePolicy, error: str | None = No
         return "crashed", error or "the episode raised"
     if record.get("status") in ("sandbox_error", "worker_error") or policy.failure is not None:
         return "crashed", record.get("error") or policy.failure or f"episode status {record.get('status')}"
-    verifier_error = (record.get("verifier") or {}).get("error")
-    if verifier_error:  # the verification sandbox broke: its reward 0 says nothing about the answer
-        return "crashed", f"verifier: {verifier_error}"
+    verifier = record.get("verifier") or {}
+    if verifier.get("error") and verifier.get("error_kind") != "timeout":
+        # the verification sandbox could not start, died or answered nonsense: its reward 0 says nothing about the
+        # answer. A verification that ran out of time keeps its 0: the workspace's own code may be why.
+        return "crashed", f"verifier: {verifier['error']}"
     if not valid_reward(record.get("reward")):
         return "reward", f"reward {record.get('reward')!r} is not a finite number"
     return None, record.get("error")

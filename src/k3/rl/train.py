@@ -189,6 +189,7 @@ class GRPOConfig:
             raise ValueError(f"top_p = {self.top_p}: GRPO's ratios and KL use log-probs of the whole distribution "
                              "(at the sampling temperature), so nucleus-truncated rollouts would be off-policy; "
                              "use top_p = 1 and control the spread with temperature")
+        _check_max_turns(self.max_turns)
         if self.agg not in AGGREGATIONS:
             raise ValueError(f"agg = {self.agg!r} must be one of {AGGREGATIONS}")
         if self.harness not in ("swap", "canonical", "fixed"):
@@ -347,12 +348,19 @@ def run_grpo(model, tokenizer, tasks: Sequence, gconfig: GRPOConfig, lconfig: Lo
     return loop.fit(trainer.step_fn, resume=resume, overwrite=overwrite, on_record=on_record, evaluate=evaluate)
 
 
+def _check_max_turns(max_turns) -> None:
+    if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+        raise ValueError(f"--max-turns {max_turns!r} must be a positive integer (leave it out for the task's own "
+                         "limit)")
+
+
 # ---------------------------------------------------------------------------------------- evaluation
 def evaluate(model, tokenizer, tasks: Sequence, harness: str, n_variants: int = 1, seed: int = 1, *,
              max_tokens: int = 96, chunk: int = 24, fixed_dialect: str = "react", max_turns: int | None = None,
              sandbox: SandboxConfig | None = None) -> tuple[dict, list[Trajectory]]:
     """Greedy episodes of every task under `n_variants` harness variants each -> (success table, trajectories).
     Seeds (so variants) are the same for every model evaluated with the same arguments."""
+    _check_max_turns(max_turns)
     cfg = episode_config(harness, fixed_dialect, max_steps=max_turns, **({"sandbox": sandbox} if sandbox else {}))
     jobs = [Job(t, _seed("k3-rl-eval", seed, harness, t.id, k), 0, group=i)
             for i, (t, k) in enumerate((t, k) for t in tasks for k in range(n_variants))]

@@ -29,7 +29,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     threads = set_threads(args.threads)
     model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, resolve_device(args.device))
-    sock = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
+    socks = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk)
@@ -40,28 +40,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on (uvicorn.run swallows it the same way)
         pass
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
     return 0
 
 
-def _bind(host: str, port: int):
+def _bind(host: str, port: int) -> list:
+    """Sockets bound to every address `host` resolves to (as asyncio's create_server binds them): a busy port or
+    an address this machine does not have is a one-line error."""
     import errno
     import socket
 
+    socks = []
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # the IPv4 address binds on its own
+            sock.bind(addr)
     except OSError as e:
+        for sock in socks:
+            sock.close()
         if e.errno == errno.EADDRINUSE:
             raise ValueError(f"--port {port}: {host}:{port} is already in use; pick another --port") from None
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port") from None
-    return sock
+    return socks
 
 
 def register(sub) -> None:

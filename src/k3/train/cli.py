@@ -148,7 +148,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     plots = plot_all(args.out)
-    if not result.losses:  # a resumed run that was already at --steps
+    if not result.losses and result.stopped_early:
+        print(f"the time budget ({args.max_minutes} min) ended before the first step; raise --max-minutes")
+    elif not result.losses:  # a resumed run that was already at --steps
         print(f"already at step {result.steps_done} ({result.tokens:,} tokens): nothing to train; raise --steps "
               "to continue")
     else:
