@@ -15,6 +15,7 @@ from torch import nn
 
 from k3.model.cache import KDACache
 from k3.model.checks import check_dtype
+from k3.ops.amp import at_least_fp32
 from k3.ops.kda import kda
 
 
@@ -85,13 +86,13 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         f = self.alpha_up(self.alpha_down(x)).view(B, T, H, K) + self.dt_bias.view(H, K)
-        g = -self.A_log.float().exp().view(H, 1) * F.softplus(f.float())        # log alpha, <= 0
+        g = -at_least_fp32(self.A_log).exp().view(H, 1) * F.softplus(at_least_fp32(f))  # log alpha, <= 0
         beta = torch.sigmoid(self.beta_proj(x))
         o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
                        output_final_state=cache is not None)
         if cache is not None:
             cache.state = state
-        o = o.float()
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        o = at_least_fp32(o)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
         o = o.to(x.dtype) * torch.sigmoid(self.gate_up(self.gate_down(x))).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K))

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype
 from k3.model.cache import MLACache
+from k3.model.checks import check_dtype
+from k3.ops.amp import at_least_fp32
 
 
 class GatedMLA(nn.Module):
@@ -111,7 +112,7 @@ class GatedMLA(nn.Module):
         if self.track_max_logits:
             self._track(scores, T, S, P, key_mask)
         scores = scores.masked_fill(~_visible(T, S, P, key_mask, q.device), float("-inf"))
-        p = torch.softmax(scores.float(), dim=-1).to(c_kv.dtype)
+        p = torch.softmax(at_least_fp32(scores), dim=-1).to(c_kv.dtype)
         o_latent = torch.einsum("bhts,bsc->bthc", p, c_kv)
         return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
 

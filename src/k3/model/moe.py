@@ -30,7 +30,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.checks import check_dtype
-from k3.ops.amp import no_autocast
+from k3.ops.amp import at_least_fp32, no_autocast
 from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")
@@ -86,10 +86,10 @@ class Router(nn.Module):
             nn.init.normal_(self.weight, std=config.init_std)
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> sigmoid affinities [..., E] in fp32 (the top-k decision compares close values), also
-        under autocast, which would otherwise run the fp32 matmul in bf16 again."""
+        """x [..., dim] -> sigmoid affinities [..., E] in fp32 (fp64 in an fp64 model; the top-k decision compares
+        close values), also under autocast, which would otherwise run the fp32 matmul in bf16 again."""
         with no_autocast(x.device.type):
-            return torch.sigmoid(F.linear(x.float(), self.weight.float()))
+            return torch.sigmoid(F.linear(at_least_fp32(x), at_least_fp32(self.weight)))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:

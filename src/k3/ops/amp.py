@@ -13,6 +13,12 @@ import torch
 __all__ = ["autocast_on", "no_autocast", "without_autocast"]
 
 
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32, or kept in fp64: what `.float()` means for numerically sensitive steps, without turning an
+    fp64 model (exact references, gradcheck) into an fp32 one."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is on for this device type; False where autocast does not exist (meta)."""
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
