@@ -193,6 +193,31 @@ def test_penalties_follow_ctrl_and_openai_formulas():
     assert out.tolist() == [1.0, -4.0, 1.0, 0.25]
     out = apply_penalties(logits, counts, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
     torch.testing.assert_close(out, torch.tensor([2.0 - 0.75, -2.0 - 1.25, 1.0, 0.5 - 1.75]))
+    # with the output's own counts, frequency and presence count those only (the prompt's tokens do not)
+    out = apply_penalties(logits, counts, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                                                         repetition_penalty=2.0), torch.tensor([0, 1, 0, 0]))
+    torch.testing.assert_close(out, torch.tensor([1.0, -4.0 - 0.75, 1.0, 0.25]))
+
+
+def test_frequency_penalty_does_not_count_the_prompts_end_of_turn_tokens(tiny_model, serve_tokenizer):
+    """A 10-message chat holds ten <|end|>; a model that wants to end its turn at once still does with
+    frequency_penalty 1 (the prompt's tokens used to count, and the reply ran to max_tokens)."""
+    import copy
+    tok = serve_tokenizer
+    m = copy.deepcopy(tiny_model)
+    end = tok.special_id("end")
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(10)]
+    prompt = render(messages, tok)
+    assert prompt.count(end) == 10
+    engine = Engine(m, tok, eos_id=NO_EOS)
+    base = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=stop_token_ids(tok))
+    first = engine.generate([prompt], base)[0].output_ids[0]
+    with torch.no_grad():  # make the model's first choice <|end|> by a wide margin, whatever the weights
+        m.head.weight[end] = m.head.weight[first] * 3.0
+    plain = engine.generate([prompt], base)[0]
+    penal = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, frequency_penalty=1.0,
+                                                     stop_token_ids=stop_token_ids(tok)))[0]
+    assert plain.output_ids == [end] and penal.output_ids == [end] and penal.finish_reason == "stop"
 
 
 def test_repetition_penalty_changes_greedy_output(tiny_model):

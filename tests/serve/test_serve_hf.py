@@ -104,6 +104,8 @@ def test_generate_takes_a_plain_k3_cache_and_refuses_a_too_long_request_up_front
     assert calls == []  # refused before any forward
     hf.model.hidden_states = inner
     assert hf.generate(prompt(1, L - 4), max_new_tokens=4, do_sample=False).shape == (1, L)
+    with pytest.raises(ValueError, match=f"needs {L + 1} positions"):  # one more than fits, as k3's engine says
+        hf.generate(prompt(1, L - 4), max_new_tokens=5, do_sample=False)
 
 
 def test_generate_with_chunked_prefill_and_continuing_from_a_returned_cache():

@@ -94,6 +94,11 @@ def test_completion_text_and_usage(server_url, tiny_model, serve_tokenizer):
     r3 = client(server_url).completions.create(model=MODEL, prompt=[ids, ids[:3]], max_tokens=5, temperature=0.9,
                                                seed=11, n=2, echo=True)
     assert [c.text for c in r3.choices] == [c.text for c in r2.choices]  # seeded: reproducible
+    # a text prompt echoes as sent: an empty one is fed to the model as <|eos|>, which is not the caller's text
+    r4 = client(server_url).completions.create(model=MODEL, prompt=["", "x = 1"], max_tokens=3, temperature=0,
+                                               echo=True)
+    plain = client(server_url).completions.create(model=MODEL, prompt=["", "x = 1"], max_tokens=3, temperature=0)
+    assert [c.text for c in r4.choices] == [plain.choices[0].text, "x = 1" + plain.choices[1].text]
 
 
 def test_chat_completion_and_usage(server_url, tiny_model, serve_tokenizer):

@@ -76,7 +76,8 @@ class Request:
     prefilled: int = 0
     pending: int | None = None  # last sampled token, not yet fed to the model
     generator: torch.Generator | None = None
-    counts: torch.Tensor | None = None
+    counts: torch.Tensor | None = None      # token counts over prompt + output (repetition penalty)
+    out_counts: torch.Tensor | None = None  # over the output alone (frequency and presence penalties)
     _tail: list[int] = field(default_factory=list)  # sampled ids not yet decoded (incomplete UTF-8)
     _sent: int = 0  # characters of `text` already delivered in events
     _done: threading.Event = field(default_factory=threading.Event)
@@ -275,12 +276,13 @@ class Engine:
                 if r.params.penalised:
                     r.counts = torch.bincount(torch.tensor(r.prompt_ids),
                                               minlength=self.config.vocab_size).to(self.device)
+                    r.out_counts = torch.zeros_like(r.counts)
                 r.generator = torch.Generator(device=self.device)
                 if r.params.seed is not None:
                     r.generator.manual_seed(r.params.seed % 2**64)  # any int: torch takes [0, 2^64)
                 else:
                     r.generator.seed()
-                finished = self._accept(r, sample_row(logits, r.params, r.counts, r.generator))
+                finished = self._accept(r, sample_row(logits, r.params, r.counts, r.generator, r.out_counts))
             except Exception as e:  # noqa: BLE001 - this request's own failure ends it alone
                 self.prefilling.remove(r)
                 self._fail(r, e, done)
@@ -305,7 +307,7 @@ class Engine:
         keep = []
         for i, r in enumerate(self.running):
             try:
-                finished = self._accept(r, sample_row(logits[i], r.params, r.counts, r.generator))
+                finished = self._accept(r, sample_row(logits[i], r.params, r.counts, r.generator, r.out_counts))
             except Exception as e:  # noqa: BLE001 - this request's own failure ends it alone
                 self._fail(r, e, done)
                 continue
@@ -325,6 +327,7 @@ class Engine:
         r.pending = tok
         if r.counts is not None:
             r.counts[tok] += 1
+            r.out_counts[tok] += 1
         p = r.params
         reason = None
         if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
@@ -371,7 +374,7 @@ class Engine:
 
     def _finish(self, r: Request, reason: str, tok: int | None) -> None:
         r.finish_reason, r.state, r.t_done = reason, "finished", time.perf_counter()
-        r.cache, r.counts, r.generator = None, None, None
+        r.cache, r.counts, r.out_counts, r.generator = None, None, None, None
         self._emit(TokenEvent(r, tok, self._take_text(r, final=True), reason))
         r._done.set()
 

@@ -146,11 +146,12 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"cache must be k3's hybrid cache (model.new_cache()), got {type(cache).__name__}")
         if cache is not None and not isinstance(cache, K3GenerationCache):
             cache.__class__ = K3GenerationCache  # a plain one from K3Model.new_cache(): same state, generate's members
-        # the longest sequence the cache will hold (prompt + new tokens - 1): refuse it before any work, not
-        # after some tokens were made and lost (transformers passes it as max_cache_length)
+        # the longest sequence the cache will hold (prompt + new tokens - 1, as transformers passes it in
+        # max_cache_length): the whole sequence, one more, must fit max_context as in k3's engine; refused before
+        # any work, not after some tokens were made and lost
         longest = kwargs.get("max_cache_length", args[-1] if args else None)
         limit = self.model.config.max_context
-        if isinstance(longest, int) and not isinstance(longest, bool) and longest > limit:
+        if isinstance(longest, int) and not isinstance(longest, bool) and longest + 1 > limit:
             raise ValueError(f"prompt + max_new_tokens needs {longest + 1} positions but max_context is {limit}; "
                              "shorten the prompt or lower max_new_tokens")
         if generation_config.cache_implementation is not None:

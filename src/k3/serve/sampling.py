@@ -3,8 +3,9 @@
 Order of the logit transforms (as in HF transformers' logits processors and vLLM's sampler):
 repetition penalty (CTRL, Keskar et al., arXiv 1909.05858: a seen token's logit is divided by the penalty
 when positive, multiplied when negative), OpenAI's frequency and presence penalties
-(logit -= count * frequency_penalty + [count > 0] * presence_penalty; counts over prompt and output alike,
-where vLLM counts only output tokens for these two), then temperature (0 = greedy),
+(logit -= count * frequency_penalty + [count > 0] * presence_penalty, over the generated tokens only, as vLLM
+counts them: a chat prompt holds an end-of-turn token per message, and counting those would push the reply's
+own end of turn down), then temperature (0 = greedy),
 top-k, and top-p (nucleus sampling, Holtzman et al., arXiv 1904.09751: the smallest set of most likely
 tokens whose probability reaches top_p).
 """
@@ -88,18 +89,21 @@ class SamplingError(ValueError):
         self.param = param
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [V], counts [V] (how often each token occurred in prompt + output) -> penalised logits [V]."""
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams,
+                    output_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V], counts [V] (how often each token occurred in prompt + output; the repetition penalty's) and
+    output_counts [V] (in the output alone; the frequency and presence penalties', `counts` when not given)
+    -> penalised logits [V]."""
     if not params.penalised:
         return logits
     logits = logits.float().clone()
-    seen = counts > 0
     if params.repetition_penalty != 1.0:
         p = params.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        logits = torch.where(counts > 0, torch.where(logits > 0, logits / p, logits * p), logits)
     if params.frequency_penalty or params.presence_penalty:
-        logits = (logits - counts.to(logits.dtype) * params.frequency_penalty
-                  - seen.to(logits.dtype) * params.presence_penalty)
+        out = counts if output_counts is None else output_counts
+        logits = (logits - out.to(logits.dtype) * params.frequency_penalty
+                  - (out > 0).to(logits.dtype) * params.presence_penalty)
     return logits
 
 
@@ -125,8 +129,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> int:
-    """One request's next token: logits [V] with its own parameters, token counts [V] and generator."""
+               generator: torch.Generator | None = None, output_counts: torch.Tensor | None = None) -> int:
+    """One request's next token: logits [V] with its own parameters, token counts [V] (prompt + output, and the
+    output's alone) and generator."""
     if counts is not None:
-        logits = apply_penalties(logits, counts, params)
+        logits = apply_penalties(logits, counts, params, output_counts)
     return int(sample_next(logits[None], params.temperature, params.top_p, generator, params.top_k))

@@ -361,7 +361,12 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         reqs = submit_all(jobs, events)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
-        echoes = [tok.decode(prompts[i // n]) if echo else "" for i in range(len(reqs))]
+        raw = body.get("prompt")
+        # a text prompt echoes as sent (an empty one is fed as <|eos|>, which is not the caller's text); token ids
+        # echo as their decoded text
+        texts = [raw] if isinstance(raw, str) else raw if all(isinstance(p, str) for p in raw) else None
+        echoes = [(texts[i // n] if texts is not None else tok.decode(prompts[i // n])) if echo else ""
+                  for i in range(len(reqs))]
 
         def usage() -> dict:
             c = sum(len(r.output_ids) for r in reqs)
