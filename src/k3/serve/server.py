@@ -80,7 +80,9 @@ class EngineWorker:
         self._stop.set()
         self.engine.wake()
         self._thread.join(timeout)
-        if self.engine.has_work():
+        # the engine thread fails what is left as it exits; only a thread that is gone (or never ran) leaves it
+        # to us: failing requests while it is still inside step() would change its lists under it
+        if not self._thread.is_alive() and self.engine.has_work():
             self.engine.fail_all("the server is shutting down")
 
     @property
@@ -100,6 +102,8 @@ class EngineWorker:
             except Exception as e:  # noqa: BLE001 - keep serving; the requests in flight get the error
                 log.exception("engine step failed")
                 self.engine.fail_all(f"internal error in the engine: {type(e).__name__}: {e}")
+        if self.engine.has_work():  # stopped: nothing will serve what is left
+            self.engine.fail_all("the server is shutting down")
 
 
 # ---------------------------------------------------------------------- loading
