@@ -430,7 +430,10 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         include_usage = _stream_options(body)
         explicit = _max_tokens(body, "max_completion_tokens", "max_tokens")
         base = _sampling(body, default_max_tokens)
-        base = dataclasses.replace(base, stop_token_ids=tuple(sorted(set(base.stop_token_ids) | set(chat_stops))))
+        # the reply is parsed from its text with the special tokens in it (the think and tool-call markers; the
+        # parser drops every other special token), so skip_special_tokens has nothing left to do here
+        base = dataclasses.replace(base, stop_token_ids=tuple(sorted(set(base.stop_token_ids) | set(chat_stops))),
+                                   skip_special_tokens=False)
         try:
             ids = render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
         except ChatFormatError as e:
