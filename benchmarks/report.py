@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from k3.fileio import atomic_write_text
 
@@ -307,6 +308,20 @@ def previous(block: str) -> tuple[dict, dict]:
     return rows, machines
 
 
+def _kept_rows(name: str, lines: list[str]) -> list[str]:
+    """An earlier run's rows of a benchmark with no JSON here: its measured values, under today's labels and
+    targets (a row whose key is no longer a headline is dropped), so a changed definition reaches them too."""
+    defined = {key: (label, target) for key, label, target in HEADLINES.get(name, [])}
+    out = []
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.search(r"\(`([^`]+)`\)$", cells[1]) if len(cells) == 4 else None
+        if m and m.group(1) in defined:
+            label, target = defined[m.group(1)]
+            out.append(f"| {name} | {label} (`{m.group(1)}`) | {cells[2]} | {target} |")
+    return out
+
+
 def render(bench_dir: Path, old_block: str = "") -> str:
     """The table from runs/bench/*.json; a benchmark without a JSON here keeps its rows from `old_block`
     (the doc's current table), so that a partial rerun never drops figures measured earlier."""
@@ -314,9 +329,10 @@ def render(bench_dir: Path, old_block: str = "") -> str:
     machines = []
     old_rows, old_machines = previous(old_block)
     have = {p.stem for p in bench_dir.glob("*.json")}
+    # machine lines are kept also for runs with no rows of their own: docs quote figures from them
     for name in sorted(have | (set(old_rows) & set(HEADLINES)) | set(old_machines)):
         if name not in have:
-            rows.extend(old_rows.get(name, []))
+            rows.extend(_kept_rows(name, old_rows.get(name, [])))
             if name in old_machines:
                 line = old_machines[name]
                 machines.append(line if line.endswith("(earlier run)") else f"{line} (earlier run)")

@@ -16,8 +16,14 @@ def test_partial_rerun_keeps_earlier_rows_and_machine_lines(load_benchmark, tmp_
         "- `moe`: hostA, 2, torch 2.13.0+cpu",
         "- `qat-start0.5`: hostA, 2, torch 2.13.0+cpu",   # a run with no headline rows of its own
     ])
+    old = old.replace("| 0.98 | >= 3x |", "| 0.98 | >= 3x |\n| qat | old label (`settings.k3.recovery`) | 10,149 | >= 0.8 |\n"
+                      "| qat | a key no longer reported (`settings.gone`) | 1 | |")
     new = report.render(tmp_path, old)
-    assert "| kda | KDA row (`speedup_vs_fla_naive_chunk`) | 12 | >= 10x |" in new
+    # an earlier run's values stay, under today's label and target; keys no longer reported are dropped
+    label, target = next((lab, t) for k, lab, t in report.HEADLINES["kda"] if k == "speedup_vs_fla_naive_chunk")
+    assert f"| kda | {label} (`speedup_vs_fla_naive_chunk`) | 12 | {target} |" in new
+    qat_label = next(lab for k, lab, t in report.HEADLINES["qat"] if k == "settings.k3.recovery")
+    assert f"| qat | {qat_label} (`settings.k3.recovery`) | 10,149 |  |" in new and "settings.gone" not in new
     assert "old MoE row" not in new and "| 1.5 | >= 3x |" in new
     assert "- `moe`: hostB, 2, torch 2.13.0+cpu" in new
     assert "- `kda`: hostA, 2, torch 2.13.0+cpu (earlier run)" in new

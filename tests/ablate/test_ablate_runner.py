@@ -208,3 +208,29 @@ def test_a_rerun_trained_run_reruns_its_ptq(data, tmp_path, counted):
     counted.clear()
     run_plan(plan, tmp_path, str(data_dir), progress=False)
     assert sorted(counted) == ["ptq", "train"]  # the PTQ of the retrained weights, not of the old ones
+
+
+def test_another_vocabulary_gets_a_data_directory_of_its_own(tmp_path, monkeypatch):
+    """--set vocab_size=N tokenizes into DATA-vN: rebuilding --data in place would replace the data that
+    k3 demo and the benchmarks read (and strand their checkpoints)."""
+    import k3.data
+    from k3.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_prepare(out, *a, **kw):
+        seen.append((str(out), kw.get("vocab_size")))
+        raise Stop
+    monkeypatch.setattr(k3.data, "prepare_data", fake_prepare)
+    data = str(tmp_path / "data")
+    for extra, want in (([], (data, k3.data.DEFAULT_VOCAB_SIZE)), (["--set", "vocab_size=4096"],
+                                                                  (f"{data}-v4096", 4096))):
+        try:
+            main(["ablate", "--quick", "--only", "depth", "--seeds", "1", "--data", data, "--out", str(tmp_path / "o"),
+                  *extra])
+        except Stop:
+            pass
+        assert seen[-1] == want

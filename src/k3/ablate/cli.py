@@ -99,11 +99,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data_fp, data_dir = {}, None
     if any(n != PROBE for n in names):
-        from k3.data import prepare_data
+        from k3.data import DEFAULT_VOCAB_SIZE, prepare_data
 
         base = scale.base_config(user_set)
-        files = prepare_data(args.data, vocab_size=base.vocab_size, progress=not args.quiet and sys.stderr.isatty())
-        data_fp, data_dir = data_fingerprint(files), str(Path(args.data).resolve())
+        # another vocabulary gets a directory of its own: rebuilding --data in place would replace the data
+        # (and strand the checkpoints) of everything else that reads it (k3 demo, the benchmarks)
+        data = args.data if base.vocab_size == DEFAULT_VOCAB_SIZE else f"{args.data}-v{base.vocab_size}"
+        files = prepare_data(data, vocab_size=base.vocab_size, progress=not args.quiet and sys.stderr.isatty())
+        data_fp, data_dir = data_fingerprint(files), str(Path(data).resolve())
     plan = plan_runs(scale, names, data_fp, user_set)
     for g, why in plan.skipped.items():
         print(f"k3 ablate: skipping {g}: {why}", file=sys.stderr)
@@ -180,7 +183,9 @@ def register(sub) -> None:
                    help="runs in parallel, one CPU thread each (default 0: the cores the load average leaves free)")
     p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
                    help="override a field of the base config (not one an ablation varies), e.g. --set mla_heads=4")
-    p.add_argument("--data", default=DEFAULT_DATA, help=f"tokenized data, made if missing (default {DEFAULT_DATA})")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help=f"tokenized data, made if missing (default {DEFAULT_DATA}; with --set vocab_size=N other than "
+                        "the default, DATA-vN)")
     p.add_argument("--out", default=None, help="output directory (default runs/ablate, runs/ablate-quick)")
     p.add_argument("--list", action="store_true", help="print the ablations, variants and claims, run nothing")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

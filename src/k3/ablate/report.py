@@ -57,7 +57,8 @@ def _judge(claim: Claim, runs: dict[str, dict[int, dict]]) -> dict:
            "metric": claim.metric, "kind": claim.kind, "n": ci["n"], "diff_mean": ci["mean"],
            "ci95": [ci["lo"], ci["hi"]], "verdict": verdict(claim.kind, ci, margin)}
     if claim.kind == "within":
-        out.update(margin=margin, margin_ref=claim.margin_ref, gain_mean=gain["mean"], gain_ci95=[gain["lo"], gain["hi"]])
+        out.update(margin=margin, margin_frac=claim.margin_frac, margin_ref=claim.margin_ref, gain_mean=gain["mean"],
+                   gain_ci95=[gain["lo"], gain["hi"]])
     return out
 
 
@@ -78,10 +79,12 @@ def aggregate(plan: Plan, results: dict) -> dict:
             for m in METRICS:
                 if m == "load_max_mean" and v.ptq_of:
                     continue  # PTQ trains nothing: it has a validation load only (older results hold that here)
-                vals = [r[m] for r in seeds.values() if isinstance(r.get(m), (int, float)) and math.isfinite(r[m])]
-                if vals:
-                    row[m] = dict(zip(("mean", "std"), mean_std(vals)))
-                    row[m]["values"] = vals
+                finite = {s: r[m] for s, r in sorted(seeds.items())
+                          if isinstance(r.get(m), (int, float)) and math.isfinite(r[m])}
+                if finite:
+                    row[m] = dict(zip(("mean", "std"), mean_std(list(finite.values()))))
+                    row[m]["values"] = list(finite.values())
+                    row[m]["seeds"] = list(finite)  # the seeds of `values` (a non-finite one is left out)
             if v.label != g.baseline:
                 ci = paired_ci({s: r.get("val_loss") for s, r in seeds.items()},
                                {s: r.get("val_loss") for s, r in runs.get(g.baseline, {}).items()})
@@ -191,7 +194,7 @@ def _claims_md(claims: list[dict]) -> list[str]:
     for c in claims:
         extra = ""
         if c["kind"] == "within":
-            extra = (f"; margin = ½ × gain of {c['b']} over {c['margin_ref']} = "
+            extra = (f"; margin = {c.get('margin_frac', 0.5):g} × gain of {c['b']} over {c['margin_ref']} = "
                      + (f"{c['margin']:.4f}" if c.get("margin") is not None else "n/a (gain not significant)"))
         fmt = "{:+.4f}" if "acc" not in c["metric"] else "{:+.3f}"
         out.append(f"| {c['text']} ({c['source']}) | {c['a']} − {c['b']} ({c['metric']}, {c['kind']}{extra}) | "
