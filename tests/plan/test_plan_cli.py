@@ -48,3 +48,9 @@ def test_plot(tmp_path, capsys):
     code, out, _ = _run(capsys, "--plot", str(path), "--what-if", "all-kda", "--json")
     assert code == 0 and path.read_bytes()[:8] == PNG
     assert json.loads(out)["plot"] == str(path)
+
+
+def test_plot_is_for_serving(capsys, tmp_path):
+    from k3.cli import main
+    assert main(["plan", "--preset", "tiny", "--train", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "drop --train" in capsys.readouterr().err and not (tmp_path / "p.png").exists()

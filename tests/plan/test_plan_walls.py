@@ -200,3 +200,34 @@ def test_pipeline_boundaries_inside_a_node_use_nvlink():
     p = plan(get_config("k3"), "h200", Layout(tp=1, pp=16), Options(context=8192))
     links = [s["communication"]["links"]["pp"] for s in p["stages"]]
     assert links == ["nvlink"] * 7 + ["network"] + ["nvlink"] * 7 + ["none"]
+
+
+def test_gpipe_schedule_holds_every_micro_batch():
+    """1F1B keeps pp - s micro-batches' activations on stage s; GPipe (what k3.parallel runs) keeps all m."""
+    opts = dict(mode="train", context=256, batch=2, micro_batches=8)
+    one = plan(TINY, "h100", Layout(pp=2, dp=2, ep=2), Options(**opts))["stages"]
+    gp = plan(TINY, "h100", Layout(pp=2, dp=2, ep=2), Options(**opts, schedule="gpipe"))["stages"]
+    for s, (a, b) in enumerate(zip(one, gp)):
+        held = min(2 - s, 8)
+        assert b["memory"]["activations_no_checkpointing"] == pytest.approx(
+            a["memory"]["activations_no_checkpointing"] * 8 / held)
+    with pytest.raises(ValueError, match="schedule"):
+        Options(mode="train", schedule="zigzag").check()
+
+
+def test_zero3_charges_the_weight_gathers():
+    """ZeRO-3 gathers the sharded bf16 weights before every micro-batch's forward and backward: 2 m (n-1)/n of
+    the weight bytes on top of the gradient reduction, which ZeRO-1 does not pay."""
+    opts = dict(mode="train", context=256, batch=1, micro_batches=4)
+    z1 = plan(TINY, "h100", Layout(dp=4, ep=2), Options(**opts, zero=1))
+    z3 = plan(TINY, "h100", Layout(dp=4, ep=2), Options(**opts, zero=3))
+    w = z1["stages"][0]["memory"]["weights"]  # unsharded bf16 copy per GPU under ZeRO-1
+    extra = z3["communication"]["dp_grad_reduce_bytes_per_step"] - z1["communication"]["dp_grad_reduce_bytes_per_step"]
+    assert extra > 0 and extra <= 2 * 4 * w  # at most 2 m gathers of the whole copy
+
+
+def test_tied_embeddings_across_stages_are_refused():
+    tied = get_config("tiny", tie_embeddings=True)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        check_layout(tied, Layout(pp=2))
+    check_layout(tied, Layout(pp=1))

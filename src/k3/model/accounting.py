@@ -425,8 +425,7 @@ def activation_bytes_per_token(model_or_config, act_bytes: float = 2.0, layers=N
         mixer = sum(lin.out_features for lin in m.modules() if isinstance(lin, nn.Linear))
         if isinstance(m, KimiDeltaAttention):
             mixer += m.conv_weight.shape[0]
-        else:
-            mixer += m.wkv_b.out_features  # k and v materialised from the latent (prefill / training form)
+        # (MLA's k and v are views of wkv_b's output, already counted with the Linear outputs)
         f = block.ffn
         if isinstance(f, MoE):
             k = f.router.top_k

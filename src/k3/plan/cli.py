@@ -39,7 +39,8 @@ def format_plan(r: dict) -> str:
                                                         "compute", "latency"))
     lines = [f"k3 plan: {r['config']} on {lay['gpus']} x {hw['name']} (tp={lay['tp']} ep={lay['ep']} pp={lay['pp']} "
              f"dp={lay['dp']}), {r['mode']}, context {opt['context']:,}, batch {opt['batch']}"
-             + (f", {opt['micro_batches']} micro-batches" if r["mode"] == "train" else ""),
+             + (f", {opt['micro_batches']} micro-batches ({opt.get('schedule', '1f1b')} schedule)"
+                if r["mode"] == "train" else ""),
              f"per GPU of the fullest pipeline stage ({mem['stage']}); capacity {_gb(mem['capacity'])} "
              f"= {opt['mem_util']:.0%} of {hw['memory_gb']:g} GB; fits: {'yes' if r['fits'] else 'NO'}", ""]
 
@@ -141,7 +142,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       micro_batches=args.micro_batches, expert_precision=args.expert_precision,
                       dense_precision=args.dense_precision, cache_dtype=args.cache_dtype, act_dtype=args.act_dtype,
                       a2a_dtype=args.a2a_dtype, optimizer=args.optimizer, zero=args.zero,
-                      grad_dtype=args.grad_dtype, mem_util=args.mem_util, prefill_chunk=args.prefill_chunk).check()
+                      grad_dtype=args.grad_dtype, mem_util=args.mem_util, prefill_chunk=args.prefill_chunk,
+                      schedule=args.schedule).check()
+    if args.plot and args.train:
+        raise ValueError("--plot draws the serving walls against context; drop --train to plot them")
     names = parse_what_ifs(args.what_if) if args.what_if else []
     out: dict = {}
     if args.min_gpus:
@@ -196,6 +200,9 @@ def register(sub) -> None:
     p.add_argument("--optimizer", default="muon", choices=["muon", "adamw"], help="training optimizer (default muon)")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage over data parallel (default 1)")
     p.add_argument("--grad-dtype", default="fp32", help="gradient dtype (default fp32)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"],
+                   help="training: pipeline schedule (default 1f1b; gpipe is what k3.parallel runs today and keeps "
+                        "every micro-batch's activations)")
     p.add_argument("--mem-util", type=float, default=0.9, help="share of HBM a plan may fill (default 0.9)")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="serving: tokens per prefill chunk (default 8192)")
     p.add_argument("--what-if", metavar="A,B,...", help="no-latentmoe,full-attention,all-kda,full-attnres,no-attnres,bf16-experts")

@@ -61,6 +61,9 @@ class Options:
     grad_dtype: str = "fp32"
     mem_util: float = 0.9
     prefill_chunk: int = 8192
+    # pipeline schedule (training): 1f1b keeps pp - s micro-batches' activations on stage s; gpipe, what
+    # k3.parallel runs today, keeps all of them until the backward
+    schedule: str = "1f1b"
 
     def check(self) -> "Options":
         if self.mode not in MODES:
@@ -85,6 +88,8 @@ class Options:
             raise ValueError(f"mem_util = {self.mem_util} must be in (0, 1]: the share of HBM the plan may fill")
         if self.prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk = {self.prefill_chunk} must be positive")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule {self.schedule!r} is unknown; use 1f1b or gpipe (what k3.parallel runs)")
         return self
 
 
@@ -148,6 +153,9 @@ def check_layout(config: K3Config, layout: Layout) -> None:
     if layout.pp > config.n_layers:
         problems.append(f"pp = {layout.pp} exceeds n_layers = {config.n_layers}; pipeline sizes that fit: 1 .. "
                         f"{config.n_layers} (each stage needs at least one layer)")
+    if layout.pp > 1 and config.tie_embeddings:
+        problems.append("tied embeddings put one matrix on the first and the last stage (k3.parallel refuses it); "
+                        "use pp = 1 or untied embeddings (tie_embeddings = false)")
     if problems:
         raise ValueError(f"layout tp={layout.tp} ep={layout.ep} pp={layout.pp} dp={layout.dp} does not fit "
                          f"{config.name}: " + "; ".join(problems))
@@ -262,7 +270,8 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
                 states += n * 4 / (_zero_group(info.component, dp, edp) if options.zero >= 1 else 1)
             mem["optimizer_and_master"] = states
             tokens_mb = B * N
-            in_flight = min(pp - s, m)  # 1F1B: stage s holds pp - s micro-batches' activations
+            # 1F1B: stage s holds pp - s micro-batches' activations; GPipe all m until the backward starts
+            in_flight = m if options.schedule == "gpipe" else min(pp - s, m)
             no_ck = acc.activation_bytes_per_token(model, act_b, layers, checkpoint=False)
             ck = acc.activation_bytes_per_token(model, act_b, layers, checkpoint=True)
             mem["activations_no_checkpointing"] = tokens_mb * no_ck["kept"] * in_flight / tp
@@ -314,6 +323,9 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             n_routed = g["by_component"].get("moe_routed", {}).get("params", 0.0)
             gb = acc.DTYPE_BYTES[options.grad_dtype]
             dp_red = 2 * (dp - 1) / dp * (g["params"] - n_routed) * gb + 2 * (edp - 1) / edp * n_routed * gb
+            if options.zero == 3:  # sharded weights are gathered before every micro-batch's forward and backward
+                routed_b = g["by_component"].get("moe_routed", {}).get("bytes", 0.0)
+                dp_red += 2 * m * ((dp - 1) / dp * (g["bytes"] - routed_b) + (edp - 1) / edp * routed_b)
             comm.update({
                 "ep_a2a_bytes_per_step": a2a, "ep_a2a_s": a2a / ep_bw,
                 "tp_allreduce_bytes_per_step": tp_ar, "tp_allreduce_s": tp_ar / tp_bw,
