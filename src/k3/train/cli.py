@@ -320,6 +320,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "val_bpb_start": bits_per_byte(start["val_loss"], bpt), "val_bpb_end": bits_per_byte(end["val_loss"], bpt),
         "unigram_loss": unigram, "unigram_bpb": bits_per_byte(unigram, bpt),
         "last_train_loss": result.losses[-1] if result.losses else None,
+        "planned_steps": trainer.tc.steps, "stopped_by_time_budget": result.stopped_early,
         "checkpoint": result.checkpoint,
     }
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -565,6 +565,7 @@ class Trainer:
         start = time.perf_counter()
         budget = None if tc.max_minutes is None else tc.max_minutes * 60.0
         last_dt, saved_at = 0.0, None
+        recent: list[float] = []  # step times of this call, for the budget's re-planning
         cap_steps = tc.steps
 
         def emit(rec, cb):
@@ -585,15 +586,25 @@ class Trainer:
                     result.stopped_early = True
                     log.info("time budget of %.1f min reached at step %d", tc.max_minutes, self.step)
                     break
+                t_step = time.perf_counter()
                 rec = self.train_step()
                 last_dt = self._step_s = rec["step_time_s"]
+                if result.losses:  # the first step of a call carries one-off start-up costs: not a step time
+                    recent.append(time.perf_counter() - t_step)  # the step's wall time, whatever slowed it
+                else:
+                    t_first = time.perf_counter()
                 result.losses.append(rec["loss"])
-                if tc.fit_steps_to_budget and len(result.losses) >= 2 \
-                        and self.step < self.schedule.total_steps - self.schedule.decay_steps:
+                if tc.fit_steps_to_budget and len(result.losses) >= 3:
+                    in_decay = self.step >= self.schedule.total_steps - self.schedule.decay_steps
                     elapsed = time.perf_counter() - start
-                    per_step = elapsed / len(result.losses)  # includes periodic evals and saves
+                    # the mean since the first step includes periodic evals and saves; the last steps' mean
+                    # follows a machine that slows down (another job starts): the larger of the two plans the rest
+                    last10 = recent[-10:]
+                    per_step = max((time.perf_counter() - t_first) / len(recent), sum(last10) / len(last10))
                     left = budget - elapsed - self.tail_seconds()
                     plan = min(cap_steps, self.step + int(0.92 * left / per_step))
+                    if in_decay:  # only shorten now: what is left of the decay is compressed, so it still ends
+                        plan = min(plan, tc.steps)  # at the minimum learning rate instead of being cut off
                     if plan != tc.steps:
                         self.set_total_steps(plan)
                 emit(rec, on_step)
