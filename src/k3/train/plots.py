@@ -74,7 +74,8 @@ def plot_experts(records: list[dict], path: str | os.PathLike, max_layers: int =
         ax.text(0.5, 0.5, "no expert-load records (no MoE layers?)", ha="center", va="center")
         ax.axis("off")
         return save_figure(fig, path)
-    n_layers = min(len(train[-1]["expert_load"]), max_layers)
+    total_layers = len(train[-1]["expert_load"])
+    n_layers = min(total_layers, max_layers)
     cols = min(n_layers, 4)
     rows = math.ceil(n_layers / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.0 * rows), squeeze=False, layout="constrained")
@@ -93,7 +94,8 @@ def plot_experts(records: list[dict], path: str | os.PathLike, max_layers: int =
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("expert", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="log2(load / uniform)")
-    fig.suptitle("expert load over training")
+    fig.suptitle("expert load over training" + (f" (the first {n_layers} of {total_layers} MoE layers)"
+                                                 if n_layers < total_layers else ""))
     return save_figure(fig, path)
 
 
@@ -113,7 +115,7 @@ def plot_attnres(records: list[dict], path: str | os.PathLike) -> Path:
             grid[j, :len(w)] = w
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, 0.28 * len(weights) + 2.5), layout="constrained")
     im = a0.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
-    a0.set_xlabel("source (0 = embedding, then blocks, last = partial sum)")
+    a0.set_xlabel("source (0 = embedding, then completed blocks, last = the current block's partial sum, if any)")
     a0.set_ylabel("sublayer (even: token mixer, odd: channel mixer; last: final)")
     a0.set_yticks(range(len(weights)))
     a0.set_xticks(range(n_src))

@@ -287,7 +287,8 @@ def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: int, seq_len: int, seed: int = 0,
              device: torch.device | str = "cpu") -> float:
-    """Mean cross-entropy (nats / token) over the first `batches` validation batches (None: all of them)."""
+    """Mean cross-entropy (nats / token) over `batches` validation batches spread evenly over the split (None:
+    all of them; see `eval_batches`)."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
