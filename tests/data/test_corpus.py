@@ -143,3 +143,45 @@ def test_missing_and_empty_are_errors(tmp_path):
         list(open_corpus(str(tmp_path / "one.txt")).documents("val"))
     with pytest.raises(ValueError, match="unknown split"):
         open_corpus(str(tmp_path / "one.txt")).doc_ids("test")
+
+
+def test_text_files_keep_their_line_endings(tmp_path):
+    """CRLF and lone CR reach the tokenizer as written (reading in text mode turned both into LF)."""
+    (tmp_path / "a.txt").write_bytes(b"x\r\ny\rz\n")
+    (tmp_path / "b.txt").write_bytes(b"plain\n")
+    docs = dict(open_corpus(str(tmp_path), val_fraction=0.5).documents("train")) | \
+        dict(open_corpus(str(tmp_path), val_fraction=0.5).documents("val"))
+    assert docs["a.txt"] == "x\r\ny\rz\n"
+
+
+def test_jsonl_lines_that_are_not_text_are_skipped_by_line(tmp_path, caplog):
+    """One non-UTF-8 line or a lone surrogate escape no longer fails the whole corpus without a file name: the
+    line is skipped and named; a byte-order mark at the start is accepted."""
+    (tmp_path / "c.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "caf\xe9"}\n'
+                                       b'{"text": "bad \\ud800"}\n' + b"".join(b'{"text": "doc %d"}\n' % i
+                                                                             for i in range(6)))
+    c = open_corpus(str(tmp_path / "c.jsonl"), val_fraction=0.3)
+    texts = [t for split in ("train", "val") for _, t in c.documents(split)]
+    assert "first" in texts and sorted(texts) == sorted(["first"] + [f"doc {i}" for i in range(6)])
+    assert "c.jsonl:2: not UTF-8" in caplog.text and "c.jsonl:3: the text is not valid Unicode" in caplog.text
+
+
+def test_glob_lists_each_file_once_and_is_recorded_absolute(tmp_path, monkeypatch):
+    (tmp_path / "g" / "sub").mkdir(parents=True)
+    for name in ("g/a.txt", "g/sub/b.txt", "g/sub/c.txt"):
+        (tmp_path / name).write_text(f"{name}\n")
+    monkeypatch.chdir(tmp_path)
+    c = open_corpus("g/**/**/*.txt")
+    assert len(c.entries) == 3  # "**/**" reached sub/b.txt twice
+    assert c.description == f"glob {tmp_path / 'g/**/**/*.txt'}"  # the same relative glob elsewhere is another corpus
+
+
+def test_tokenizer_training_cuts_very_long_lines_and_refuses_a_huge_vocabulary():
+    from k3.data.tokenizer import LONG_LINE, MAX_VOCAB_SIZE, _cut_long_lines, train_tokenizer
+
+    normal = "def f():\n    return 1\n" * 1000
+    assert list(_cut_long_lines(normal)) == [normal]  # unchanged: the standard library's lines are short
+    pieces = list(_cut_long_lines("head\n" + "x" * (2 * LONG_LINE + 5) + "\ntail"))
+    assert pieces == ["head\n", "x" * LONG_LINE, "x" * LONG_LINE, "x" * 5, "tail"]
+    with pytest.raises(ValueError, match="too large"):
+        train_tokenizer(["text"], MAX_VOCAB_SIZE + 1)

@@ -122,8 +122,8 @@ class Corpus:
             e = entries[i]
             if e.line is None:
                 i += 1
-                try:
-                    text = e.path.read_text(encoding="utf-8")
+                try:  # bytes decoded as they are: "\r\n" and "\r" stay (read_text would turn them into "\n")
+                    text = e.path.read_bytes().decode("utf-8")
                 except UnicodeDecodeError:
                     log.warning("skipping %s: not UTF-8 text", e.path)
                     continue
@@ -160,9 +160,14 @@ def cap_bytes(documents: Iterable[Document], max_bytes: int | None) -> Iterator[
 
 def _read_jsonl(path: Path, wanted: dict[int, str]) -> Iterator[Document]:
     # lines end at "\n" only, as _jsonl_entries counts them: a lone "\r" inside a file is not a record boundary
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             if lineno not in wanted:
+                continue
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM may open the file
+            except UnicodeDecodeError as err:
+                log.warning("skipping %s:%d: not UTF-8 text (byte %d)", path, lineno, err.start)
                 continue
             try:
                 obj = json.loads(line)
@@ -173,6 +178,11 @@ def _read_jsonl(path: Path, wanted: dict[int, str]) -> Iterator[Document]:
             if not isinstance(text, str):
                 raise ValueError(f'{path}:{lineno}: no string "text" field; each line of a .jsonl corpus must be '
                                  f'an object like {{"text": "..."}}')
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate escape ("\ud800"): not text
+                log.warning("skipping %s:%d: the text is not valid Unicode (%s)", path, lineno, err.reason)
+                continue
             yield wanted[lineno], text
 
 
@@ -256,14 +266,16 @@ def open_corpus(spec: str | os.PathLike | None = None, *, val_fraction: float = 
     s = os.path.expanduser(str(spec))
     path = Path(s)
     if globlib.has_magic(s) and not path.exists():
-        matches = sorted(Path(m) for m in globlib.glob(s, recursive=True))
+        # each file once ("**/**" lists a file under every way of reaching it)
+        matches = sorted({Path(os.path.abspath(m)) for m in globlib.glob(s, recursive=True)})
         matches = [m for m in matches if m.is_file()]
         if not matches:
             raise ValueError(f"--data {spec!r}: the glob matches no files; check the pattern (quote it so the "
                              f"shell does not expand it) or pass a directory")
-        base = _glob_base(s)
+        base = _glob_base(os.path.abspath(s))
         files = sorted((os.path.relpath(m, base).replace(os.sep, "/"), m) for m in matches)
-        return Corpus(_file_entries(files), f"glob {s}", val_fraction)
+        # the absolute pattern: the same relative glob from another directory is another corpus
+        return Corpus(_file_entries(files), f"glob {os.path.abspath(s)}", val_fraction)
     if not path.exists():
         raise ValueError(f"--data {spec!r}: no such file or directory; pass a directory, a glob, a .txt/.md/.py "
                          f"file or a .jsonl file (or omit --data for the built-in stdlib corpus)")

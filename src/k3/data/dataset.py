@@ -9,7 +9,7 @@ On disk, for a dataset named `train` in `out_dir`:
 All three are written atomically (temporary file + `os.replace`).
 
 Training batches are a pure function of (seed, step): window starts come from
-`np.random.SeedSequence([seed, step])`, so a run resumed at step s reads exactly the tokens the
+`np.random.SeedSequence([seed, step, _BATCH_SALT])`, so a run resumed at step s reads exactly the tokens the
 uninterrupted run would have, whatever happened before. Validation reads fixed, non-overlapping windows
 from the start of the split in order.
 """
@@ -301,11 +301,20 @@ def load_data(out_dir: str | os.PathLike) -> DataFiles:
 
 def held_source(data_dir: str | os.PathLike) -> str | None:
     """The corpus description recorded in DATA_DIR/data.json, or None (no data there, or unreadable)."""
-    try:
-        source = json.loads((Path(data_dir) / DATA_MANIFEST).read_text(encoding="utf-8")).get("request", {}).get("source")
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    return source if isinstance(source, str) else None
+    def split_source(d: dict):  # a split records "<corpus> [train]"
+        src = d.get("source")
+        return src.rsplit(" [", 1)[0] if isinstance(src, str) and src.endswith("]") else src
+
+    for name, get in ((DATA_MANIFEST, lambda d: d.get("request", {}).get("source")),
+                      ("train.json", split_source), ("val.json", split_source)):
+        # data.json is removed while a directory is rebuilt: a build that failed leaves the splits' own record
+        try:
+            source = get(json.loads((Path(data_dir) / name).read_text(encoding="utf-8")))
+        except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+            continue
+        if isinstance(source, str):
+            return source
+    return None
 
 
 def same_corpus(a: str, b: str) -> bool:

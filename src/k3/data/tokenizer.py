@@ -29,6 +29,7 @@ from k3.fileio import atomic_write_text  # noqa: E402
 
 N_BYTES = 256
 MIN_VOCAB_SIZE = N_BYTES + len(SPECIAL_TOKENS)
+MAX_VOCAB_SIZE = 1 << 20
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TOKENIZER_MAX_BYTES = 20_000_000
 TOKENIZER_FILE = "tokenizer.json"
@@ -153,6 +154,29 @@ def _ids(hf, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
+LONG_LINE = 10_000  # characters: the BPE trainer's time grows with the square of one unbroken run's length
+
+
+def _cut_long_lines(text: str) -> Iterator[str]:
+    """`text` for the tokenizer trainer, with any line longer than LONG_LINE cut into pieces of that length (a
+    400k-character line without spaces took 89 s, 1M did not end). Text without such lines passes unchanged."""
+    if len(text) <= LONG_LINE or all(len(line) <= LONG_LINE for line in text.split("\n")):
+        yield text
+        return
+    kept: list[str] = []
+    for line in text.split("\n"):
+        if len(line) <= LONG_LINE:
+            kept.append(line)
+            continue
+        if kept:
+            yield "\n".join(kept) + "\n"
+            kept = []
+        for i in range(0, len(line), LONG_LINE):
+            yield line[i:i + LONG_LINE]
+    if kept:
+        yield "\n".join(kept)
+
+
 def _texts(documents: Iterable) -> Iterator[str]:
     for d in documents:
         yield d if isinstance(d, str) else d[1]
@@ -174,6 +198,9 @@ def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *
         raise ValueError(f"vocab_size = {vocab_size!r} is too small: byte-level BPE needs {N_BYTES} byte tokens + "
                          f"{len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE}; use --vocab-size >= "
                          f"{MIN_VOCAB_SIZE} (e.g. 8192)")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size = {vocab_size:,} is too large: at most {MAX_VOCAB_SIZE:,} (K3's vocabulary is "
+                         "163,840); the trainer would allocate memory for every entry up front")
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -187,7 +214,7 @@ def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *
         nonlocal n_bytes
         for t in _texts(documents):
             n_bytes += len(t.encode("utf-8"))
-            yield t
+            yield from _cut_long_lines(t)
 
     hf.train_from_iterator(counted(), trainer=trainer)
     if n_bytes == 0:
