@@ -94,16 +94,18 @@ def test_teardown_leaves_no_process(sandbox):
     uid = sandbox.drop_to_uid if os.geteuid() == 0 else None
     before = frozenset(int(p.split()[0]) for p in _processes(uid, "sleep 300"))
 
-    def sleepers():  # this test's sleeps only: other sandboxes on the host run as the same uid
-        return [p for p in _processes(uid, "sleep 300", before) if "sleep 300" in p]
     s = Session({}, sandbox)
     s.run("(setsid sleep 300 > /dev/null 2>&1 &); (nohup sleep 300 > /dev/null 2>&1 &)")
-    assert sleepers() or uid is None  # alive while the sandbox is
+    ours = {p.split()[0] for p in _processes(uid, "sleep 300", before)}  # this sandbox's processes
+    assert ours or uid is None  # alive while the sandbox is
+
+    def left():  # of those, the ones still alive (other jobs' sandboxes run as the same uid: not counted)
+        return [p for p in _processes(uid, "sleep 300", before) if p.split()[0] in ours or "sleep 300" in p]
     s.close()
     deadline = time.monotonic() + 3
-    while sleepers() and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not sleepers()
+    assert not left()
 
 
 def test_missing_bubblewrap_is_a_clear_error():
