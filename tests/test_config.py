@@ -111,3 +111,22 @@ def test_cli_prints_config_error_without_traceback():
     r = subprocess.run([sys.executable, "-m", "k3.cli", "config", "--preset", "tiny", "--set", "attnres=full"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["attnres"] == "full"
+
+
+def test_config_files_and_string_fields_give_one_line_errors(tmp_path, capsys):
+    from k3.cli import main
+
+    for name, text, want in [("list.json", "[1, 2]", "holds a JSON list"), ("num.json", "5", "holds a JSON int"),
+                             ("empty.json", "", "not valid JSON"), ("comma.json", '{"n_layers": 2,}', "not valid JSON")]:
+        (tmp_path / name).write_text(text)
+        assert main(["config", "--config", str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert want in err and str(tmp_path / name) in err, err
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe")
+    assert main(["config", "--config", str(tmp_path / "bin.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    # a string field takes the text as written; an empty name is refused
+    assert main(["config", "--preset", "tiny", "--set", "name=123"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == "123"
+    assert main(["config", "--preset", "tiny", "--set", "name="]) == 2
+    assert "name = '' is empty" in capsys.readouterr().err

@@ -118,7 +118,8 @@ class K3Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "K3Config":
         def bad(name: str, why: str, fix: str) -> None:
-            raise K3ConfigError(f"{self.name}: {name} = {getattr(self, name, None)!r} {why}; {fix}")
+            label = self.name if isinstance(self.name, str) and self.name else "config"
+            raise K3ConfigError(f"{label}: {name} = {getattr(self, name, None)!r} {why}; {fix}")
 
         for f in fields(self):
             v = getattr(self, f.name)
@@ -130,6 +131,8 @@ class K3Config:
                                  "dict": ("a JSON object", '\'{"expert_weights": "mxfp4"}\'')}[f.type]
                 bad(f.name, f"is of type {type(v).__name__}, but must be {kind}",
                     f"give {kind}, e.g. --set {f.name}={example} (values are read as JSON)")
+        if not self.name.strip():
+            bad("name", "is empty", "give the config a name, e.g. --set name=custom")
         positive = [
             "vocab_size", "d_model", "n_layers", "max_context", "kda_heads", "kda_head_dim",
             "kda_conv_size", "kda_gate_rank", "mla_heads", "mla_kv_lora_rank", "mla_qk_head_dim",
@@ -206,6 +209,8 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "K3Config":
+        if not isinstance(d, dict):
+            raise K3ConfigError(f"a config is a JSON object of fields, got a {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

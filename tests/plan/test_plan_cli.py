@@ -54,3 +54,10 @@ def test_plot_is_for_serving(capsys, tmp_path):
     from k3.cli import main
     assert main(["plan", "--preset", "tiny", "--train", "--plot", str(tmp_path / "p.png")]) == 2
     assert "drop --train" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+
+
+def test_min_gpus_names_a_context_past_max_context(capsys):
+    from k3.cli import main
+    assert main(["plan", "--preset", "mini", "--min-gpus"]) == 2  # the default context is 1M; mini's is 4096
+    err = capsys.readouterr().err
+    assert "exceeds mini's max_context = 4096" in err and "bigger GPUs" not in err

@@ -63,6 +63,13 @@ def test_parse_qat():
     assert parse_qat("activations=none, expert_weights=mxfp8") == {"expert_weights": "mxfp8", "activations": "none"}
     cfg = get_config("tiny", qat=parse_qat("activations=none"))
     assert qat_format(cfg, "activations") is None and qat_format(cfg, "expert_weights") == "mxfp4"
+    # `k3 train --qat` keeps qat items the config already holds (--set qat=... or --config): they were dropped
+    import argparse
+
+    from k3.train.cli import _with_qat
+    held = get_config("tiny", qat={"linears": "mxfp4"})
+    assert _with_qat(held, argparse.Namespace(qat="")).qat == {**K3_QAT, "linears": "mxfp4"}
+    assert _with_qat(held, argparse.Namespace(qat="linears=none")).qat == {**K3_QAT, "linears": "none"}
 
 
 def test_config_switches_qat_on_at_construction():

@@ -16,8 +16,15 @@ def add_config_args(p: argparse.ArgumentParser, default: str = "mini") -> None:
 
 def config_from_args(args: argparse.Namespace) -> K3Config:
     if getattr(args, "config", None):
-        with open(args.config) as f:
-            base = json.load(f)
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                base = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise K3ConfigError(f"--config {args.config}: not valid JSON ({e}); give a JSON object of config fields, "
+                                "as `k3 config --preset NAME` prints") from None
+        if not isinstance(base, dict):
+            raise K3ConfigError(f"--config {args.config}: holds a JSON {type(base).__name__}, not an object of config "
+                                "fields; give one as `k3 config --preset NAME` prints")
     else:
         base = {**PRESETS[args.preset]}
         get_config(args.preset)  # validates the preset name
@@ -30,6 +37,8 @@ def config_from_args(args: argparse.Namespace) -> K3Config:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw  # bare strings such as attnres=full
+        if fields[key].type in ("str", str) and not isinstance(value, str):
+            value = raw  # a string field takes the text as written: --set name=123 is the name "123"
         base[key] = value
     return K3Config.from_dict(base)
 

@@ -502,6 +502,9 @@ def min_gpus_to_serve(config: K3Config, hardware: Hardware | str, options: Optio
     if options.mode != "serve":
         raise ValueError("min_gpus_to_serve plans serving; use mode 'serve'")
     L = config.n_layers
+    if options.context > config.max_context:  # not a matter of GPUs: said once, not swallowed by the search
+        raise ValueError(f"context = {options.context} exceeds {config.name}'s max_context = {config.max_context}; "
+                         f"plan a context of at most {config.max_context}")
     tp_fit = _divisors(math.gcd(*tp_split_dims(config).values()))
     prec = acc.Precision(routed=options.expert_precision, dense=options.dense_precision, vector="bf16")
     weights = acc.param_bytes(meta_model(config), prec)["bytes"]

@@ -37,10 +37,11 @@ def qat_format(config: K3Config, key: str) -> str | None:
     return None if v in (None, "none") else v
 
 
-def parse_qat(spec: str | None) -> dict:
+def parse_qat(spec: str | None, base: dict | None = None) -> dict:
     """`k3 train --qat [SPEC]`: SPEC is empty (K3's setting: expert weights mxfp4, activations mxfp8) or
-    comma-separated KEY=FORMAT items applied on top of it, e.g. 'linears=mxfp4' or 'activations=none'."""
-    qat = dict(DEFAULT_QAT)
+    comma-separated KEY=FORMAT items applied on top of it, e.g. 'linears=mxfp4' or 'activations=none'.
+    `base`: qat items the config already holds (from --set or --config), kept unless SPEC names them."""
+    qat = {**DEFAULT_QAT, **(base or {})}
     for item in (spec or "").split(","):
         item = item.strip()
         if not item:

@@ -119,12 +119,13 @@ def set_threads(n: int | None, auto: bool = False) -> int:
 
 
 def _with_qat(config, args):
-    """`--qat [SPEC]` sets config.qat: K3's MXFP4 expert weights + MXFP8 expert activations, then SPEC's items."""
+    """`--qat [SPEC]` sets config.qat: K3's MXFP4 expert weights + MXFP8 expert activations, the items the config
+    already holds (--set qat=... or --config), then SPEC's items."""
     if getattr(args, "qat", None) is None:
         return config
     from k3.quant import parse_qat
 
-    return config.replace(qat=parse_qat(args.qat))
+    return config.replace(qat=parse_qat(args.qat, config.qat))
 
 
 # ---------------------------------------------------------------------- k3 train
