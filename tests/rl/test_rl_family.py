@@ -92,3 +92,26 @@ def test_demonstrations_verify_and_mask_only_the_policy(rl_tasks, rl_tokenizer, 
         assert sampled == want
     with pytest.raises(ValueError, match="no reference solution"):
         DemoPolicy(type("T", (), {"id": "x", "solution": ()})())
+
+
+def test_task_directories_of_another_version_are_rebuilt(tmp_path, monkeypatch):
+    """A built task is reused only when every part of its spec (and the step limit) is what the family makes now;
+    a changed step limit used to leave the old directories in place."""
+    import os
+
+    import k3.rl.family as family
+
+    first = family.build_tasks(tmp_path, "train", 1)
+    stamp = {t.id: os.stat(tmp_path / "train" / t.id / "task.json").st_mtime_ns for t in first}
+    again = family.build_tasks(tmp_path, "train", 1)  # the same: reused, untouched
+    assert {t.id: os.stat(tmp_path / "train" / t.id / "task.json").st_mtime_ns for t in again} == stamp
+    monkeypatch.setattr(family, "MAX_STEPS", family.MAX_STEPS + 2)
+    assert [t.max_steps for t in family.build_tasks(tmp_path, "train", 1)] == [family.MAX_STEPS] * 3
+
+
+def test_pad_batch_refuses_masks_that_do_not_match():
+    import pytest
+
+    from k3.rl.demos import pad_batch
+    with pytest.raises(ValueError, match="3 sequences but 2 masks"):
+        pad_batch([[1], [2], [3]], [[True], [True]], 0)

@@ -1,8 +1,8 @@
 """Synthetic demonstrations for the supervised warm start, and the token view of an episode.
 
 A demonstration is a real AgentENV episode: `DemoPolicy` plays the task's reference solution one call per
-turn, written in the episode's dialect (harness and tool names drawn from the episode seed, so the
-demonstrations cover every dialect and renamed variant); the sandbox answers, and the verifier scores
+turn, written in the episode's dialect (harness and tool names drawn from the episode seed: every dialect
+with the `canonical` demo harness, renamed variants too with `swap`); the sandbox answers, and the verifier scores
 it. Only episodes the verifier scored 1 are kept, so no demonstration teaches a wrong answer, and the
 tool outputs the model learns to read are the sandbox's own.
 
@@ -87,6 +87,8 @@ def pad_batch(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]], pa
     nothing before it."""
     if not seqs:
         raise ValueError("pad_batch needs at least one sequence")
+    if len(seqs) != len(masks):
+        raise ValueError(f"pad_batch got {len(seqs)} sequences but {len(masks)} masks")
     T = max(map(len, seqs))
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)

@@ -4,7 +4,7 @@ Three kinds, each built as ordinary AgentENV tasks (`k3.agentenv.tasks.write_tas
 by physical checks), each solved by one `run` call and `finish`. The facts a task is about live in
 workspace files, never in the instruction, so the policy must let the tool read and compute them:
 
-- `calc` (family `files`): expr.txt holds `37 * 91`; its value must end up in answer.txt
+- `calc` (family `files`): expr.txt holds `37 * 51` (operands 12-69; held out 71-99); its value must end up in answer.txt
   (`echo $(( $(cat expr.txt) )) > answer.txt`); checked by the sha256 of answer.txt.
 - `count` (family `files`): word.txt holds a word; answer.txt must hold the number of lines of data.txt
   that contain it (`grep -c -f word.txt data.txt > answer.txt`); checked by sha256, data.txt unchanged.
@@ -92,6 +92,29 @@ INSTRUCTIONS = {  # each ends with the file the command must read, right before 
 }
 
 
+def _stale(task, spec: dict) -> bool:
+    """A task directory written by another version of this family (any field of the spec, or the step limit)."""
+    import hashlib
+
+    files = (task.manifest.get("workspace") or {}).get("files") or {}
+    want = {path: hashlib.sha256(text.encode("utf-8")).hexdigest() for path, text in spec.get("workspace", {}).items()}
+    return (task.instruction != spec["instruction"] or task.solution != tuple(spec["solution"])
+            or task.checks != tuple(spec["checks"]) or task.title != spec["title"] or task.family != spec["family"]
+            or task.max_steps != MAX_STEPS or {p: f.get("sha256") for p, f in files.items()} != want
+            or _generated(task) != spec.get("generate", {}))
+
+
+def _generated(task) -> dict:
+    """{file: the SQL script it is built from} of a task directory's generated workspace files."""
+    out = {}
+    for name, how in ((task.manifest.get("workspace") or {}).get("generate") or {}).items():
+        try:
+            out[name] = (Path(task.root) / how["sqlite_script"]).read_text(encoding="utf-8")
+        except (OSError, KeyError, TypeError, UnicodeDecodeError):
+            out[name] = None  # unreadable: stale
+    return out
+
+
 def task_spec(kind: str, split: str, index: int) -> dict:
     """Everything `write_task` needs for one task (a pure function of its arguments)."""
     _check_args(kind, split, index)
@@ -150,8 +173,7 @@ def build_tasks(out_dir: str | os.PathLike, split: str, n_per_kind: int, kinds=K
                 task = load_task(d)  # written earlier by the same code: reuse it (checksums checked)
             except ValueError:
                 task = None
-            if task is None or task.instruction != spec["instruction"] or task.solution != tuple(spec["solution"]) \
-                    or task.checks != tuple(spec["checks"]):
+            if task is None or _stale(task, spec):
                 if d.exists():  # made by another version of this family: replace it whole
                     shutil.rmtree(d)
                 write_task(root, limits={"max_steps": MAX_STEPS}, **spec)
