@@ -41,6 +41,8 @@ import sys
 import time
 import traceback
 
+_T_IMPORT = time.perf_counter()  # before torch: the --budget counts the imports and CUDA init too
+
 import torch
 import torch.nn.functional as F
 
@@ -129,8 +131,13 @@ def guarded(out: dict, key: str, fn) -> None:
     try:
         out[key] = fn()
     except Exception as e:  # noqa: BLE001
-        out[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+        out[key] = {"error": f"{type(e).__name__}: {e}", "traceback": _trace()}
     save_partial(out)
+
+
+def _trace() -> str:
+    """The innermost frames of the exception being handled (where fla, Triton or a kernel raised)."""
+    return traceback.format_exc()[-TAIL:]
 
 
 def section(results: dict, name: str, fn, dev, quick) -> None:
@@ -140,7 +147,9 @@ def section(results: dict, name: str, fn, dev, quick) -> None:
         if dev.type == "cuda":
             results[name]["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
-        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+        saved = read_part(*_PARTIAL) if _PARTIAL is not None else {}  # the rows it finished before it raised
+        saved.pop("partial", None)
+        results[name] = {**saved, "error": f"{type(e).__name__}: {e}", "traceback": _trace()}
     results[name]["section_s"] = round(time.perf_counter() - t0, 2)
     print(f"[{name}] {time.perf_counter() - t0:.1f}s {'ERROR ' + results[name]['error'] if 'error' in results[name] else 'ok'}",
           flush=True)
@@ -330,7 +339,7 @@ def moe_check(dev, quick):
 
 def moe_speed(dev, quick):
     from k3.config import get_config
-    from k3.model.moe import MoE, RoutedExperts
+    from k3.model.moe import MoE
 
     out = {}
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -342,26 +351,38 @@ def moe_speed(dev, quick):
     dy = torch.randn_like(x)
     layer = {}
     backends = ["auto", "bmm", "slices"] + (["grouped_mm"] if dev.type == "cuda" else [])
+    out["mini_layer"] = {"tokens": N, "dtype": str(dt), "n_experts": cfg.n_experts, "top_k": cfg.n_active_experts,
+                         "impls": layer}
     for impl, backend in [("loop", "auto")] + [("grouped", b) for b in backends]:
-        moe.impl, moe.experts.backend = impl, backend
+        def timed(impl=impl, backend=backend):
+            moe.impl, moe.experts.backend = impl, backend
 
-        def fwd():
-            with torch.no_grad():
-                moe(x)
+            def fwd():
+                with torch.no_grad():
+                    moe(x)
 
-        def fwd_bwd():
-            moe.zero_grad(set_to_none=True)
-            moe(x.detach().requires_grad_()).backward(dy)
+            def fwd_bwd():
+                moe.zero_grad(set_to_none=True)
+                moe(x.detach().requires_grad_()).backward(dy)
 
-        layer[f"{impl}.{backend}"] = {"forward_ms": cuda_ms(fwd, 10, device=dev)["median_ms"],
-                                      "fwd_bwd_ms": cuda_ms(fwd_bwd, 10, device=dev)["median_ms"]}
+            return {"forward_ms": cuda_ms(fwd, 10, device=dev)["median_ms"],
+                    "fwd_bwd_ms": cuda_ms(fwd_bwd, 10, device=dev)["median_ms"]}
+        guarded(layer, f"{impl}.{backend}", timed)  # one failing variant (a kernel, OOM) keeps the others
     loop = layer["loop.auto"]
     for k, v in layer.items():
-        v["forward_speedup_vs_loop"] = loop["forward_ms"] / v["forward_ms"]
-        v["fwd_bwd_speedup_vs_loop"] = loop["fwd_bwd_ms"] / v["fwd_bwd_ms"]
-    out["mini_layer"] = {"tokens": N, "dtype": str(dt), "n_experts": cfg.n_experts, "top_k": cfg.n_active_experts,
-                         "speedup_vs_loop": layer["grouped.auto"]["fwd_bwd_speedup_vs_loop"], "impls": layer}
+        if "error" not in v and "error" not in loop:
+            v["forward_speedup_vs_loop"] = loop["forward_ms"] / v["forward_ms"]
+            v["fwd_bwd_speedup_vs_loop"] = loop["fwd_bwd_ms"] / v["fwd_bwd_ms"]
+    if "fwd_bwd_speedup_vs_loop" in layer.get("grouped.auto", {}):
+        out["mini_layer"]["speedup_vs_loop"] = layer["grouped.auto"]["fwd_bwd_speedup_vs_loop"]
     save_partial(out)
+    guarded(out, "k3_width_experts", lambda: _k3_width_experts(dev, dt, quick))
+    return out
+
+
+def _k3_width_experts(dev, dt, quick) -> dict:
+    from k3.model.moe import RoutedExperts
+
     # full-width routed experts: 32 local experts (896 over 28 EP ranks), latent 3584, ffn 3072
     E, dim, ffn, k = (8, 256, 128, 2) if quick else (32, 3584, 3072, 4)
     Nk = 1024 if quick else 16384
@@ -388,8 +409,7 @@ def moe_speed(dev, quick):
                      "forward_tflops": flops / (f["median_ms"] * 1e-3) / 1e12,
                      "fwd_bwd_tflops": 3 * flops / (fb["median_ms"] * 1e-3) / 1e12}
     res["grouped_fwd_bwd_speedup_vs_loop"] = res["loop"]["fwd_bwd_ms"] / res["grouped"]["fwd_bwd_ms"]
-    out["k3_width_experts"] = res
-    return out
+    return res
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -493,7 +513,7 @@ def mx(dev, quick):
 
 SECTIONS = {"peaks": peaks, "moe_check": moe_check, "moe_speed": moe_speed, "mx": mx,
             # the sections below go through fla's Triton kernels, which compile (and autotune) on first use
-            "kda_check": kda_check, "model_check": model_check, "train_step": train_step, "kda_speed": kda_speed}
+            "kda_check": kda_check, "kda_speed": kda_speed, "model_check": model_check, "train_step": train_step}
 
 
 # seconds each section may take (about 9 minutes in all); --section-timeout sets one limit for every section
@@ -502,6 +522,7 @@ LIMITS = {"peaks": 30, "moe_check": 50, "moe_speed": 90, "mx": 40, "kda_check": 
 
 
 TAIL = 2000  # characters of a failed section's output kept in the JSON
+_RUNNING: tuple[str, str] | None = None  # (part file, section) of the section running in a child now
 CHILD_SCRIPT = __file__  # what a section's child process runs (the tests point it at a wrapper)
 
 
@@ -513,8 +534,10 @@ def run_isolated(name: str, args, timeout: float) -> dict:
     import sys
     import tempfile
 
+    global _RUNNING
     with tempfile.TemporaryDirectory() as tmp:
         part = f"{tmp}/{name}.json"
+        _RUNNING = (part, name)  # what a SIGTERM handler reads back before the run stops
         cmd = [sys.executable, CHILD_SCRIPT, "--only", name, "--device", args.device, "--part", part]
         if args.quick:
             cmd.append("--quick")
@@ -533,6 +556,7 @@ def run_isolated(name: str, args, timeout: float) -> dict:
             # the rows the section finished before its limit (save_partial), with the timeout beside them
             return {**read_part(part, name), "error": f"timeout: the section did not finish in {timeout:.0f} s",
                     "output_tail": tail, "section_s": round(time.perf_counter() - t0, 2)}
+        _RUNNING = None
         got = read_part(part, name)
         if not got or got.get("partial"):
             got = {**got, "error": f"child exited {proc.returncode} without a result",
@@ -601,11 +625,20 @@ def main(argv=None) -> dict:
         except PackageNotFoundError:
             results["machine"][lib] = "not installed"
     results["fla_autotune"] = args.fla_autotune
+    if dev.type == "cuda":  # the fla sections fall back to k3's own kernels without it: say so up front
+        import k3.ops.kda as kda_ops
+
+        results["machine"]["fla_usable"] = kda_ops._fla_kda() is not None
+        if not results["machine"]["fla_usable"]:
+            results["machine"]["fla_import_error"] = kda_ops._fla_import_error
     out = args.out or bench_out("gpu", args.quick or dev.type != "cuda")
-    t_start = time.perf_counter()
+    t_start = _T_IMPORT  # the budget counts from process start: imports and CUDA init are inside the limit
 
     def terminated(signum, _frame):  # e.g. `timeout` ran out: keep what finished, then stop
         results["terminated"] = f"signal {signum} after {time.perf_counter() - t_start:.0f} s"
+        if _RUNNING is not None:  # the rows the running section has saved so far
+            part, name = _RUNNING
+            results[name] = {**read_part(part, name), "error": "terminated while running"}
         write_result(out, results)
         raise SystemExit(128 + signum)
 

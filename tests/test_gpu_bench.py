@@ -126,7 +126,8 @@ def test_a_terminated_run_keeps_the_finished_sections(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, log[-2000:]
     res = json.loads(out.read_text())
     assert "error" not in res["mx"] and res["mx"]["mxfp4"]["random_code_mismatches"] == 0
-    assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}") and "peaks" not in res
+    assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}")
+    assert res["peaks"]["error"] == "terminated while running"  # with whatever rows it had saved (none here)
 
 
 def test_the_budget_skips_what_it_cannot_fit(gpu_bench, tmp_path):
@@ -146,3 +147,22 @@ def test_a_failing_check_inside_a_section_does_not_hide_the_others(gpu_bench, tm
         gpu_bench._PARTIAL = None
     assert out["bad"]["error"].startswith("ZeroDivisionError") and out["good"] == 2
     assert gpu_bench.read_part(str(part), "s")["good"] == 2 and gpu_bench.read_part(str(part), "s")["partial"]
+
+
+def test_a_section_that_raises_keeps_the_rows_it_saved(gpu_bench, tmp_path):
+    """A section that saved rows and then raised (an OOM in its last part, say) keeps those rows beside the
+    error; the error used to replace them."""
+    part = tmp_path / "part.json"
+
+    def section_fn(dev, quick):
+        out = {"mini_layer": {"speedup_vs_loop": 3.5}}
+        gpu_bench.save_partial(out)
+        raise RuntimeError("out of memory in the last part")
+    gpu_bench._PARTIAL = (str(part), "moe_speed")
+    try:
+        results = {}
+        gpu_bench.section(results, "moe_speed", section_fn, gpu_bench.torch.device("cpu"), True)
+    finally:
+        gpu_bench._PARTIAL = None
+    r = results["moe_speed"]
+    assert r["mini_layer"]["speedup_vs_loop"] == 3.5 and "out of memory" in r["error"] and "partial" not in r
