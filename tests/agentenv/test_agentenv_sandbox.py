@@ -100,7 +100,7 @@ def test_teardown_leaves_no_process(sandbox):
     assert ours or uid is None  # alive while the sandbox is
 
     def left():  # of those, the ones still alive (other jobs' sandboxes run as the same uid: not counted)
-        return [p for p in _processes(uid, "sleep 300", before) if p.split()[0] in ours or "sleep 300" in p]
+        return [p for p in _processes(uid, "sleep 300", before) if p.split()[0] in ours]
     s.close()
     deadline = time.monotonic() + 3
     while left() and time.monotonic() < deadline:

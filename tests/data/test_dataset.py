@@ -280,3 +280,11 @@ def test_splits_that_would_be_empty_are_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="--val-fraction 0 leaves no validation split"):
         prepare_data(tmp_path / "d2", str(d), val_fraction=0)
     assert not (tmp_path / "d1").exists() and not (tmp_path / "d2").exists()
+
+
+def test_data_built_from_a_relative_glob_before_globs_were_absolute_is_the_same_corpus():
+    import os
+
+    from k3.data.dataset import same_corpus
+    assert same_corpus("glob txt/*.txt", f"glob {os.path.abspath('txt/*.txt')}")
+    assert not same_corpus("glob other/*.txt", f"glob {os.path.abspath('txt/*.txt')}")

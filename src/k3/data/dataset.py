@@ -321,7 +321,10 @@ def same_corpus(a: str, b: str) -> bool:
     """Two corpus descriptions name the same corpus; any Python's standard library counts as one."""
     from k3.data.corpus import STDLIB_SOURCE
 
-    return a == b or (a.startswith(STDLIB_SOURCE + " ") and b.startswith(STDLIB_SOURCE + " "))
+    def norm(d: str) -> str:  # globs recorded before they were made absolute: read against this directory
+        return f"glob {os.path.abspath(d[5:])}" if d.startswith("glob ") else d
+
+    return norm(a) == norm(b) or (a.startswith(STDLIB_SOURCE + " ") and b.startswith(STDLIB_SOURCE + " "))
 
 
 def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,

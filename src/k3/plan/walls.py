@@ -153,9 +153,6 @@ def check_layout(config: K3Config, layout: Layout) -> None:
     if layout.pp > config.n_layers:
         problems.append(f"pp = {layout.pp} exceeds n_layers = {config.n_layers}; pipeline sizes that fit: 1 .. "
                         f"{config.n_layers} (each stage needs at least one layer)")
-    if layout.pp > 1 and config.tie_embeddings:
-        problems.append("tied embeddings put one matrix on the first and the last stage (k3.parallel refuses it); "
-                        "use pp = 1 or untied embeddings (tie_embeddings = false)")
     if problems:
         raise ValueError(f"layout tp={layout.tp} ep={layout.ep} pp={layout.pp} dp={layout.dp} does not fit "
                          f"{config.name}: " + "; ".join(problems))
@@ -220,6 +217,10 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
     if options.context > cfg.max_context:
         raise ValueError(f"context = {options.context} exceeds {cfg.name}'s max_context = {cfg.max_context}; "
                          f"plan a context of at most {cfg.max_context}")
+    if options.mode == "train" and layout.pp > 1 and cfg.tie_embeddings:
+        raise ValueError("tied embeddings put one matrix on the first and the last stage, whose gradients a training "
+                         "pipeline would have to sum (k3.parallel refuses it); use pp = 1 or untied embeddings "
+                         "(tie_embeddings = false)")
     L, tp, ep, pp, dp = cfg.n_layers, layout.tp, layout.ep, layout.pp, layout.dp
     train = options.mode == "train"
     B, N = options.batch, options.context

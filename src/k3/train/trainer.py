@@ -60,8 +60,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     qk_clip_tau: float = 100.0  # used with optimizer = muon; 0 disables
     max_minutes: float | None = None  # stop when the next step plus a final eval and save would exceed it
-    # With max_minutes: treat `steps` as a cap and re-plan the total from the measured time per step while
-    # the schedule is still warming up or stable, so the WSD decay ends as the budget does (the demo).
+    # With max_minutes: treat `steps` as a cap and re-plan the total from the measured time per step (during
+    # the decay only shortening it), so the WSD decay ends as the budget does (the demo).
     fit_steps_to_budget: bool = False
     eval_every: int = 0  # 0: evaluate only at the end
     eval_batches: int = 8
