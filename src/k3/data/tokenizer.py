@@ -154,6 +154,40 @@ def _ids(hf, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
+SETTINGS_FILE = "tokenizer.settings.json"  # beside a tokenizer built from settings: what it was built from
+
+
+def reuse_built_tokenizer(tok_path: str | os.PathLike, want: dict, overwrite: bool, fix: str,
+                          warn_unrecorded: bool = True) -> bool:
+    """Whether the tokenizer at `tok_path` is to be loaded as it is: True when it exists and was built with `want`
+    (the settings recorded beside it) or no settings were recorded (an older one, or one given as a file); False
+    when it has to be built (none there, or other settings and `overwrite`). Other settings without `overwrite`
+    raise ValueError naming them, then `fix`. A new build records its settings with `record_tokenizer_settings`."""
+    import json
+
+    tok_path = Path(tok_path)
+    settings = tok_path.parent / SETTINGS_FILE
+    if not tok_path.is_file():
+        return False
+    if not settings.is_file():
+        if warn_unrecorded:
+            log.warning("reusing %s, whose settings were not recorded", tok_path)
+        return True
+    have = json.loads(settings.read_text())
+    if have == want:
+        return True
+    if overwrite:
+        return False
+    diff = ", ".join(f"{k} {have.get(k)!r} (asked: {v!r})" for k, v in want.items() if have.get(k) != v)
+    raise ValueError(f"{tok_path} was built with other settings: {diff}. {fix}")
+
+
+def record_tokenizer_settings(tok_path: str | os.PathLike, want: dict) -> None:
+    import json
+
+    atomic_write_text(Path(tok_path).parent / SETTINGS_FILE, json.dumps(want, indent=1) + "\n")
+
+
 LONG_LINE = 10_000  # characters: the BPE trainer's time grows with the square of one unbroken run's length
 
 

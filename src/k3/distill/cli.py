@@ -108,7 +108,9 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     budgets = _parse_budgets(args.budgets)
     cells = _parse_cells(args.cells)
     domains = make_domains()
-    tok_path, settings_path = out / "tokenizer.json", out / "tokenizer.settings.json"
+    from k3.data.tokenizer import SETTINGS_FILE, record_tokenizer_settings, reuse_built_tokenizer
+
+    tok_path = out / "tokenizer.json"
     want = {"vocab_size": args.vocab_size, "seed": args.seed}  # what a tokenizer built here is made from
     tok = None
     if args.tokenizer:
@@ -117,19 +119,14 @@ def cmd_teachers(args: argparse.Namespace) -> int:
             raise ValueError(f"{tok_path} holds another tokenizer; teachers in one directory share one (pass "
                              "--overwrite to replace it and retrain everything, or another --out)")
         tok.save(tok_path)
-        settings_path.unlink(missing_ok=True)  # given, not built from settings
-    elif tok_path.is_file():
-        have = json.loads(settings_path.read_text()) if settings_path.is_file() else None
-        if have is None or have == want:  # built with these settings, given earlier, or from an older k3
-            tok = load_tokenizer(tok_path)
-        elif not args.overwrite:
-            diff = ", ".join(f"{k} {have.get(k)!r} (asked: {v!r})" for k, v in want.items() if have.get(k) != v)
-            raise ValueError(f"{tok_path} was built with other settings: {diff}. Pass the same flags, --overwrite "
-                             "to rebuild it and retrain every stage, or another --out")
+        (out / SETTINGS_FILE).unlink(missing_ok=True)  # given, not built from settings
+    elif reuse_built_tokenizer(tok_path, want, args.overwrite, "Pass the same flags, --overwrite to rebuild it and "
+                               "retrain every stage, or another --out", warn_unrecorded=False):
+        tok = load_tokenizer(tok_path)  # built with these settings, given earlier, or from an older k3
     if tok is None:
         tok = train_tokenizer(tokenizer_texts(domains, seed=args.seed), args.vocab_size, path=tok_path,
                               allow_short=True)
-        atomic_write_json(settings_path, want)
+        record_tokenizer_settings(tok_path, want)
         print(f"tokenizer  {tok_path} ({tok.vocab_size} tokens, trained on the three domains)")
     config = config_from_args(args)
     if any(s.startswith("vocab_size=") for s in args.set) and config.vocab_size != tok.vocab_size:

@@ -126,6 +126,12 @@ def tp_split_dims(config: K3Config) -> dict[str, int]:
     return dims
 
 
+def _check_context(config: K3Config, options: Options) -> None:
+    if options.context > config.max_context:
+        raise ValueError(f"context = {options.context} exceeds {config.name}'s max_context = {config.max_context}; "
+                         f"plan a context of at most {config.max_context}")
+
+
 def check_layout(config: K3Config, layout: Layout) -> None:
     """Raise ValueError naming what does not divide and listing the sizes that would fit."""
     for k in ("tp", "ep", "pp", "dp"):
@@ -214,9 +220,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
     check_layout(config, layout)
     model = meta_model(config)
     cfg = model.config
-    if options.context > cfg.max_context:
-        raise ValueError(f"context = {options.context} exceeds {cfg.name}'s max_context = {cfg.max_context}; "
-                         f"plan a context of at most {cfg.max_context}")
+    _check_context(cfg, options)
     if options.mode == "train" and layout.pp > 1 and cfg.tie_embeddings:
         raise ValueError("tied embeddings put one matrix on the first and the last stage, whose gradients a training "
                          "pipeline would have to sum (k3.parallel refuses it); use pp = 1 or untied embeddings "
@@ -503,9 +507,7 @@ def min_gpus_to_serve(config: K3Config, hardware: Hardware | str, options: Optio
     if options.mode != "serve":
         raise ValueError("min_gpus_to_serve plans serving; use mode 'serve'")
     L = config.n_layers
-    if options.context > config.max_context:  # not a matter of GPUs: said once, not swallowed by the search
-        raise ValueError(f"context = {options.context} exceeds {config.name}'s max_context = {config.max_context}; "
-                         f"plan a context of at most {config.max_context}")
+    _check_context(config, options)  # not a matter of GPUs: said once, not swallowed by the search
     tp_fit = _divisors(math.gcd(*tp_split_dims(config).values()))
     prec = acc.Precision(routed=options.expert_precision, dense=options.dense_precision, vector="bf16")
     weights = acc.param_bytes(meta_model(config), prec)["bytes"]

@@ -66,32 +66,21 @@ def _load(root: Path, name: str, tokenizer):
     return model, manifest
 
 
-TOKENIZER_SETTINGS = "tokenizer.settings.json"
-
-
 def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer):
     """ROOT/tokenizer.json, built once per experiment from the demonstrations. Reused when the flags that made it
     (recorded beside it) are the same; a different --vocab-size, --tokenizer-prompts or demonstration set is
     refused, or, with --overwrite, rebuilds it."""
-    from k3.fileio import atomic_write_text
+    from k3.data.tokenizer import record_tokenizer_settings, reuse_built_tokenizer
     want = {"vocab_size": args.vocab_size, "tokenizer_prompts": args.tokenizer_prompts,
             "demos": {"tasks_per_kind": args.tasks_per_kind, "demos_per_task": args.demos_per_task,
                       "seed": args.seed, "harness": args.demo_harness}}
-    tok_path, settings_path = root / "tokenizer.json", root / TOKENIZER_SETTINGS
-    if tok_path.is_file():
-        if not settings_path.is_file():  # a root from before the settings were recorded: nothing to compare
-            print(f"warning: reusing {tok_path}, whose settings were not recorded", file=sys.stderr)
-            return _tokenizer(root)
-        have = json.loads(settings_path.read_text())
-        if have == want:
-            return _tokenizer(root)
-        if not args.overwrite:
-            diff = ", ".join(f"{k} {have.get(k)!r} (asked: {want[k]!r})" for k in want if have.get(k) != want[k])
-            raise ValueError(f"{tok_path} was built with other settings: {diff}. Pass the same flags to reuse it, "
-                             f"or --overwrite to rebuild it (runs under {root} trained with the old tokenizer will "
-                             "then refuse to load), or use another --root")
+    tok_path = root / "tokenizer.json"
+    if reuse_built_tokenizer(tok_path, want, args.overwrite,
+                             f"Pass the same flags to reuse it, or --overwrite to rebuild it (runs under {root} trained "
+                             "with the old tokenizer will then refuse to load), or use another --root"):
+        return _tokenizer(root)
     tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
-    atomic_write_text(settings_path, json.dumps(want, indent=1) + "\n")
+    record_tokenizer_settings(tok_path, want)
     return tok
 
 
