@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from k3.agentenv.actions import execute, make_action
 from k3.agentenv.redteam import _processes
 from k3.agentenv.sandbox import (Limits, Probe, SandboxConfig, SandboxError, SandboxUnavailable, Session,
                                  check_sandbox, default_config)
@@ -72,7 +73,24 @@ def test_resource_limits(fast_sandbox):
         s.run("sleep 300 & echo started")
         assert "sleep" not in s.run("ps -e -o comm")["output"]  # background work dies with its command
         r = s.run("while :; do :; done", timeout=30)  # capped at the configured command timeout
-        assert r["timed_out"] and r["duration_s"] < lim.command_timeout_s + 2
+        # here the CPU limit equals the wall limit, so either may stop the loop first; both say so
+        assert r["timed_out"] != r["cpu_limited"] and r["duration_s"] < lim.command_timeout_s + 2, r
+        assert r["exit_code"] in (-9, -24)
+
+
+def test_cpu_limit_reported(sandbox):
+    """A CPU-bound command stopped by RLIMIT_CPU before its wall-clock timeout is reported as such."""
+    lim = sandbox.limits.replace(cpu_s=1, command_timeout_s=20.0)
+    cfg = SandboxConfig(**{**sandbox.__dict__, "limits": lim}).validate()
+    with Session({}, cfg) as s:
+        r = s.run("while :; do :; done")
+        assert r["cpu_limited"] and not r["timed_out"] and r["exit_code"] in (-9, -24), r
+        assert r["duration_s"] < 10
+        r = s.run("sh -c 'kill -9 $$'")  # killed by a signal, but not by the CPU limit
+        assert r["exit_code"] == -9 or r["exit_code"] == 137, r
+        assert not r["cpu_limited"] and not r["timed_out"]
+        ok, text = execute(s, make_action("run", {"command": "while :; do :; done"}))
+        assert not ok and "CPU time limit" in text
 
 
 def test_file_tools(sandbox):

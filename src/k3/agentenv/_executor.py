@@ -199,6 +199,7 @@ def op_run(req):
     timeout = min(float(req.get("timeout") or cap), cap)
     env = dict(CFG["env"])
     start = time.monotonic()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(["/bin/bash", "-c", cmd], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=child_limits, close_fds=True)
@@ -250,6 +251,12 @@ def op_run(req):
             rc = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             rc = None
+    # RLIMIT_CPU kills with SIGXCPU at the soft limit and SIGKILL at the hard one (equal here); the
+    # command's own CPU time (this process's only reaped child so far) tells that kill from others
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    cpu_limited = (not timed_out and rc in (-signal.SIGKILL, -signal.SIGXCPU)
+                   and cpu >= 0.9 * float(CFG["cpu_s"]))
     kill_leftovers(proc.pid)
     proc.stdout.close()
     dropped = total - len(head) - len(tail)
@@ -258,7 +265,8 @@ def op_run(req):
         text += "\n[... %d bytes truncated ...]\n" % dropped
     text += tail.decode("utf-8", "replace")
     return {"ok": True, "exit_code": rc, "output": text, "timed_out": timed_out,
-            "truncated_bytes": max(0, dropped), "duration_s": round(time.monotonic() - start, 4)}
+            "cpu_limited": cpu_limited, "truncated_bytes": max(0, dropped),
+            "duration_s": round(time.monotonic() - start, 4)}
 
 
 def _let_owner(path, st, bits):

@@ -135,6 +135,8 @@ def execute(session: Session, a: Action) -> tuple[bool, str]:
         head = f"exit code: {r['exit_code']}"
         if r.get("timed_out"):
             head += f" (killed: timed out after {r['duration_s']:.1f}s)"
+        elif r.get("cpu_limited"):
+            head += " (killed: CPU time limit per command reached)"
         return r["exit_code"] == 0 and not r.get("timed_out"), head + "\n" + r["output"]
     if a.tool == "search":
         r = session.search(g("pattern"), g("path"), g("glob"))
