@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from k3.serve.chat import render, stop_token_ids
@@ -411,3 +412,49 @@ def test_a_non_ascii_api_key_matches_its_utf8_bytes(tiny_model, serve_tokenizer)
         latin = {"Authorization": "Bearer s\xe9krit".encode("latin-1")}
         assert httpx.get(url + "/v1/models", headers=utf8).status_code == 200
         assert httpx.get(url + "/v1/models", headers=latin).status_code == 401
+
+
+def _scripted_model(make, tok):
+    """A tiny model whose greedy choice after token t is SCRIPT[t] (else `<|think|>`), so the reply is
+    <|think|> a <|/think|> b c <|eos|> whatever the weights say. The engine's prefill and decode both run
+    `hidden_states` then `head`: the first records the last input token, a hook on the second adds a large
+    logit. One request at a time (the engine must run with max_batch=1)."""
+    think, end_think, eos = (tok.token_to_id(t) for t in ("<|think|>", "<|/think|>", "<|eos|>"))
+    a, b, c = (tok.encode(w)[0] for w in ("def", "class", "return"))
+    script = {think: a, a: end_think, end_think: b, b: c, c: eos}
+    model = make()
+    last = []
+    hidden_states = model.hidden_states
+
+    def recording(ids, *args, **kw):
+        assert ids.shape[0] == 1, "one request at a time"
+        last[:] = [int(ids[0, -1])]
+        return hidden_states(ids, *args, **kw)
+
+    def hook(module, args, out):
+        out = out.clone()
+        out[..., script.get(last[0], think)] += 100.0
+        return out
+
+    model.hidden_states = recording
+    model.head.register_forward_hook(hook)
+    return model, [tok.decode([x]) for x in (a, b, c)]
+
+
+def test_special_tokens_in_completions_and_chat(tiny_model_factory, serve_tokenizer):
+    """Completions leave special tokens out of the text by default (vLLM's default) and keep them with
+    skip_special_tokens false; a chat reply is parsed with its markers whatever the request says."""
+    tok = serve_tokenizer
+    model, (a, b, c) = _scripted_model(tiny_model_factory, tok)
+    with serve(Engine(model, tok, max_batch=1, max_queue=4, prefill_chunk=16)) as url:
+        kw = dict(model=MODEL, prompt="x", max_tokens=8, temperature=0)
+        r = client(url).completions.create(**kw)
+        assert r.choices[0].text == a + b + c and r.choices[0].finish_reason == "stop"
+        r = client(url).completions.create(**kw, extra_body={"skip_special_tokens": False})
+        assert r.choices[0].text == "<|think|>" + a + "<|/think|>" + b + c
+        for skip in (True, False):
+            r = client(url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+                extra_body={"skip_special_tokens": skip})
+            m = r.choices[0].message
+            assert m.content == b + c and m.model_extra.get("reasoning_content") == a, (skip, m)

@@ -188,7 +188,8 @@ def _sampling(body: dict, max_tokens: int | None) -> SamplingParams:
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         stop=tuple(stop or ()), seed=seed,
         ignore_eos=bool(_get(body, "ignore_eos", (bool,), False, "must be true or false")),
-        skip_special_tokens=bool(_get(body, "skip_special_tokens", (bool,), False, "must be true or false")),
+        # vLLM's default: completion text leaves out special tokens unless asked for them
+        skip_special_tokens=bool(_get(body, "skip_special_tokens", (bool,), True, "must be true or false")),
     )
     try:
         return p.validate()
