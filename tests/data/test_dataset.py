@@ -1,5 +1,6 @@
 """Packed datasets: one tokenisation pass, memmapped reads, batches that depend only on (seed, step)."""
 import json
+import os
 import shutil
 
 import numpy as np
@@ -288,3 +289,19 @@ def test_data_built_from_a_relative_glob_before_globs_were_absolute_is_the_same_
     from k3.data.dataset import same_corpus
     assert same_corpus("glob txt/*.txt", f"glob {os.path.abspath('txt/*.txt')}")
     assert not same_corpus("glob other/*.txt", f"glob {os.path.abspath('txt/*.txt')}")
+
+
+def test_corpus_fingerprint_follows_content_not_mtime(text_dir):
+    """An edit that keeps a file's size and mtime (as `cp -p` of an edited copy does) changes the
+    fingerprint; touching a file does not."""
+    before = open_corpus(str(text_dir)).fingerprint()
+    f = text_dir / "doc00.txt"
+    st = f.stat()
+    text = f.read_text()
+    f.write_text(text.swapcase() if text.swapcase() != text else text[::-1])
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    edited = open_corpus(str(text_dir)).fingerprint()
+    assert edited != before
+    os.utime(f)  # a touch: same content, new mtime
+    assert open_corpus(str(text_dir)).fingerprint() == edited

@@ -73,6 +73,7 @@ class Corpus:
         if len(val) == len(frac) and len(frac) >= 2:
             val.discard(max(frac, key=frac.__getitem__))
         self._val = frozenset(val)
+        self._fingerprint: str | None = None
 
     def __repr__(self) -> str:
         return f"Corpus({self.description!r}, {len(self.entries)} documents, {len(self._val)} validation)"
@@ -91,13 +92,17 @@ class Corpus:
         return [e for e in self.entries if self.split_of(e.doc_id) == split]
 
     def fingerprint(self) -> str:
-        """Hash of the document list and the files' sizes and mtimes: changes when the corpus does."""
-        h = hashlib.sha256(f"{self.description}|{self.val_fraction}".encode())
-        for path in sorted({e.path for e in self.entries}):
-            st = path.stat()
-            h.update(f"|{path}|{st.st_size}|{st.st_mtime_ns}".encode())
-        h.update(f"|{len(self.entries)}".encode())
-        return h.hexdigest()[:16]
+        """Hash of the document list and the files' contents: changes when the corpus does, and only then
+        (a copy that keeps size and mtime is still seen; a `touch` is not a change). Reads every file once
+        per corpus object (about 0.05 s for the 12 MB standard library)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(f"{self.description}|{self.val_fraction}".encode())
+            for path in sorted({e.path for e in self.entries}):
+                with open(path, "rb") as f:
+                    h.update(f"|{path}|".encode() + hashlib.file_digest(f, "sha256").digest())
+            h.update(f"|{len(self.entries)}".encode())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     def documents(self, split: str = "train", max_bytes: int | None = None) -> Iterator[Document]:
         """Yield `(doc_id, text)` for `split`; stop once `max_bytes` UTF-8 bytes were yielded (the last
