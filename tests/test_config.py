@@ -130,3 +130,24 @@ def test_config_files_and_string_fields_give_one_line_errors(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["name"] == "123"
     assert main(["config", "--preset", "tiny", "--set", "name="]) == 2
     assert "name = '' is empty" in capsys.readouterr().err
+
+
+def test_a_partial_config_file_is_laid_over_the_preset(tmp_path, capsys):
+    """--config with some fields takes the rest from --preset (it used to take the dataclass defaults and
+    ignore --preset); a complete config stands alone whatever --preset says."""
+    from k3.cli import main
+    from k3.config import get_config
+
+    (tmp_path / "part.json").write_text('{"attnres": "full", "n_layers": 4}')
+    assert main(["config", "--preset", "mini", "--config", str(tmp_path / "part.json")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == {**get_config("mini").to_dict(), "attnres": "full", "n_layers": 4}
+    (tmp_path / "full.json").write_text(get_config("tiny").to_json())
+    assert main(["config", "--preset", "mini", "--config", str(tmp_path / "full.json")]) == 0
+    assert json.loads(capsys.readouterr().out) == get_config("tiny").to_dict()
+    old = get_config("tiny").to_dict()
+    del old["kda_norm_eps"]  # a complete config saved before the field existed keeps its norm_eps there
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert main(["config", "--preset", "mini", "--config", str(tmp_path / "old.json")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["d_model"] == get_config("tiny").d_model and got["kda_norm_eps"] == old["norm_eps"]

@@ -9,7 +9,8 @@ from k3.config import PRESETS, K3Config, K3ConfigError, get_config
 
 def add_config_args(p: argparse.ArgumentParser, default: str = "mini") -> None:
     p.add_argument("--preset", default=default, choices=sorted(PRESETS), help=f"model preset (default {default})")
-    p.add_argument("--config", metavar="FILE.json", help="a config JSON (overrides --preset)")
+    p.add_argument("--config", metavar="FILE.json",
+                   help="a config JSON: its fields override --preset's, the fields it leaves out come from --preset")
     p.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
                    help="override one config field, e.g. --set attnres=full (repeatable)")
 
@@ -25,6 +26,10 @@ def config_from_args(args: argparse.Namespace) -> K3Config:
         if not isinstance(base, dict):
             raise K3ConfigError(f"--config {args.config}: holds a JSON {type(base).__name__}, not an object of config "
                                 "fields; give one as `k3 config --preset NAME` prints")
+        # a complete config (as `k3 config` or a checkpoint writes it, kda_norm_eps aside: from_dict fills that
+        # in for configs saved before it existed) stands alone; a partial one is laid over --preset
+        if not set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} <= set(base):
+            base = {**PRESETS[args.preset], **base}
     else:
         base = {**PRESETS[args.preset]}
         get_config(args.preset)  # validates the preset name
