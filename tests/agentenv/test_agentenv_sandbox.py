@@ -161,6 +161,21 @@ def test_agent_commands_cannot_reach_the_executor(sandbox):
         assert s.export() == []
 
 
+def test_truncated_output_cuts_on_whole_characters(sandbox):
+    """Head and tail of a long output keep whole UTF-8 characters: 3-byte characters across a cut that
+    falls mid-character come out without U+FFFD, and the dropped count includes the cut character's bytes."""
+    with Session({}, sandbox) as s:
+        for ch in ("\u20ac", "\U0001f600", "\u00e9"):
+            r = s.run(f"python3 -c \"import sys; sys.stdout.write({ch!r} * 20000)\"")
+            out = r["output"]
+            assert r["truncated_bytes"] > 0 and "\ufffd" not in out, (ch, out[:20], out[-20:])
+            head, _, tail = out.partition("\n[... ")
+            n = int(tail.split(" bytes truncated")[0])
+            tail = tail.split("...]\n", 1)[1]
+            assert set(head) == {ch} and set(tail) == {ch}
+            assert len((head + tail).encode()) + n == 20000 * len(ch.encode())
+
+
 def test_exit_codes_are_the_commands_own(sandbox):
     """A command whose output ends before it exits (coreutils close stdout first; this script closes both
     streams, waits, then exits 3) reports its own exit status, not -9 from the cleanup kill nor 0 from a

@@ -191,6 +191,18 @@ def op_search(req):
     return {"ok": True, "matches": matches, "truncated": False}
 
 
+def _whole_chars_end(buf):
+    """len(buf) without a UTF-8 character that the end of buf cuts short."""
+    for back in range(1, min(4, len(buf)) + 1):
+        b = buf[-back]
+        if b < 0x80:
+            return len(buf)
+        if b >= 0xC0:  # the lead byte of the last character: whole if its sequence fits in what is left
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4
+            return len(buf) if back >= need else len(buf) - back
+    return len(buf)
+
+
 def op_run(req):
     cmd = req["command"]
     if not isinstance(cmd, str) or not cmd.strip():
@@ -260,6 +272,15 @@ def op_run(req):
     kill_leftovers(proc.pid)
     proc.stdout.close()
     dropped = total - len(head) - len(tail)
+    if dropped > 0:
+        # the cuts fall on whole UTF-8 characters: a character split by a cut goes with the dropped bytes
+        # (at most 3 bytes on each side) instead of showing as U+FFFD
+        keep = _whole_chars_end(head)
+        skip = 0
+        while skip < min(3, len(tail)) and 0x80 <= tail[skip] < 0xC0:
+            skip += 1
+        dropped += len(head) - keep + skip
+        head, tail = head[:keep], tail[skip:]
     text = head.decode("utf-8", "replace")
     if dropped > 0:
         text += "\n[... %d bytes truncated ...]\n" % dropped
