@@ -205,7 +205,7 @@ def check_sandbox(cfg: SandboxConfig | None = None) -> str:
     Returns a one-line description of the isolation in use. Cached per configuration.
     """
     cfg = (cfg or default_config()).validate()
-    key = (cfg.isolation, cfg.bwrap, cfg.python)
+    key = (cfg.isolation, cfg.bwrap, cfg.python, cfg.drop_to_uid, cfg.drop_to_gid, cfg.inner_uid)  # what it checks
     if key in _PREFLIGHT:
         return _PREFLIGHT[key]
     if not os.path.exists(cfg.python):
