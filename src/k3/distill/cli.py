@@ -289,7 +289,16 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, args.single_teacher, mc.cells)
     out = Path(args.out)
     domains = make_domains()
-    evaluate = _eval_closure(out, teachers, student, domains, tok, mc, args)
+    # the gaps are to each cell's own teacher, as `k3 distill eval` reports them, also when one teacher per
+    # domain does the teaching (--single-teacher); the shared teacher stands in only where a cell has none
+    reference = teachers
+    if args.single_teacher and mc.eval_n > 0:
+        try:
+            reference = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, None, mc.cells)
+        except ValueError as e:
+            print(f"warning: the evaluation gaps are to the --single-teacher {args.single_teacher} teachers, not "
+                  f"each cell's own: {e}", file=sys.stderr)
+    evaluate = _eval_closure(out, reference, student, domains, tok, mc, args)
     keys = ("loss", "reverse_kl") if mc.mode == "on-policy" else ("loss",)
     bar = _Bar(lc.steps, f"mopd {mc.mode}", not args.quiet, keys=keys)
     try:
