@@ -226,6 +226,22 @@ def test_zero3_charges_the_weight_gathers():
     assert extra > 0 and extra <= 2 * 4 * w  # at most 2 m gathers of the whole copy
 
 
+def test_data_parallel_traffic_prices_gradients_and_weights_at_their_own_dtypes():
+    """ZeRO-0 all-reduces the gradients (2 (n-1)/n of their bytes); ZeRO-1 reduce-scatters them and gathers the
+    updated compute weights instead ((n-1)/n of each), each at its own dtype."""
+    opts = dict(mode="train", context=256, batch=1, micro_batches=2)
+    lay = Layout(dp=4)  # no expert parallelism: every parameter's data-parallel group is dp
+    z0 = plan(TINY, "h100", lay, Options(**opts, zero=0, grad_dtype="fp32"))
+    z1 = plan(TINY, "h100", lay, Options(**opts, zero=1, grad_dtype="fp32"))
+    z1_bf16 = plan(TINY, "h100", lay, Options(**opts, zero=1, grad_dtype="bf16"))
+    key = "dp_grad_reduce_bytes_per_step"
+    a0, a1, a1b = (p["communication"][key] for p in (z0, z1, z1_bf16))
+    w = z1["stages"][0]["memory"]["weights"]  # the whole compute copy (bf16 matrices, fp32 vectors): pp = 1
+    assert a1 == pytest.approx(a0 / 2 + 3 / 4 * w)  # half the all-reduce, then the weights' all-gather
+    assert a1b == pytest.approx(a0 / 4 + 3 / 4 * w)  # bf16 gradients: half the bytes to reduce-scatter
+    assert a1b < a1 < a0
+
+
 def test_tied_embeddings_across_stages_are_refused_for_training_only():
     tied = get_config("tiny", tie_embeddings=True)
     with pytest.raises(ValueError, match="tied embeddings"):

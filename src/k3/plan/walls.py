@@ -327,10 +327,17 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             g = acc.param_bytes(model, train_prec, frac)
             n_routed = g["by_component"].get("moe_routed", {}).get("params", 0.0)
             gb = acc.DTYPE_BYTES[options.grad_dtype]
-            dp_red = 2 * (dp - 1) / dp * (g["params"] - n_routed) * gb + 2 * (edp - 1) / edp * n_routed * gb
-            if options.zero == 3:  # sharded weights are gathered before every micro-batch's forward and backward
-                routed_b = g["by_component"].get("moe_routed", {}).get("bytes", 0.0)
-                dp_red += 2 * m * ((dp - 1) / dp * (g["bytes"] - routed_b) + (edp - 1) / edp * routed_b)
+            # a ring reduce-scatter of the gradients moves (n-1)/n of their bytes; a ring all-gather of the bf16
+            # compute weights (n-1)/n of theirs, n = each parameter's data-parallel group
+            grad_rs = (dp - 1) / dp * (g["params"] - n_routed) * gb + (edp - 1) / edp * n_routed * gb
+            routed_b = g["by_component"].get("moe_routed", {}).get("bytes", 0.0)
+            weight_ag = (dp - 1) / dp * (g["bytes"] - routed_b) + (edp - 1) / edp * routed_b
+            if options.zero == 0:  # all-reduce (reduce-scatter + all-gather) of the gradients
+                dp_red = 2 * grad_rs
+            elif options.zero in (1, 2):  # gradients reduce-scattered to their optimizer shard, updated weights gathered
+                dp_red = grad_rs + weight_ag
+            else:  # ZeRO-3: sharded weights gathered before every micro-batch's forward and backward
+                dp_red = grad_rs + 2 * m * weight_ag
             comm.update({
                 "ep_a2a_bytes_per_step": a2a, "ep_a2a_s": a2a / ep_bw,
                 "tp_allreduce_bytes_per_step": tp_ar, "tp_allreduce_s": tp_ar / tp_bw,
