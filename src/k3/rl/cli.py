@@ -39,6 +39,9 @@ class _Bar:
             self.bar.close()
 
 
+_JSON_HELP = "print the result as indented JSON (without it: the same JSON on one line)"
+
+
 def _loop_config(args, **defaults):
     from k3.distill.loop import LoopConfig
     return LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac,
@@ -281,7 +284,8 @@ def _common(p, steps: int, lr: float, ckpt_every: int) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start over, deleting the run's checkpoints")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
+
 
 
 def register(subparsers) -> None:
@@ -293,7 +297,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=_JSON_HELP)
     sub = p.add_subparsers(dest="rl_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda a: _run(cmd_demo, a) if a.demo else (p.print_help(), 2)[1])
 
@@ -357,7 +361,7 @@ def register(subparsers) -> None:
     e.add_argument("--seed", type=int, default=1)
     e.add_argument("--threads", type=int, default=0)
     e.add_argument("--out", default=None, help="report path (default ROOT/eval.json)")
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--json", action="store_true", help=_JSON_HELP)
     e.add_argument("-q", "--quiet", action="store_true")
     e.set_defaults(func=lambda a: _run(cmd_eval, a))
 
@@ -369,7 +373,7 @@ def register(subparsers) -> None:
     it.add_argument("--seed", type=int, default=0)
     it.add_argument("--threads", type=int, default=0)
     it.add_argument("--out", default=None, help="report path (default ROOT/intent.json)")
-    it.add_argument("--json", action="store_true")
+    it.add_argument("--json", action="store_true", help=_JSON_HELP)
     it.set_defaults(func=lambda a: _run(cmd_intent, a))
 
     pl = sub.add_parser("plot", help="mean verified reward over GRPO steps (and held-out success, if evaluated)")
@@ -377,7 +381,7 @@ def register(subparsers) -> None:
     pl.add_argument("--runs", default="swap,fixed")
     pl.add_argument("--out", default=None, help="PNG path (default ROOT/reward.png)")
     pl.add_argument("--eval", default=None, help="eval report for the right panel (default ROOT/eval.json, if any)")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--json", action="store_true", help=_JSON_HELP)
     pl.set_defaults(func=lambda a: _run(cmd_plot, a))
 
 
