@@ -85,3 +85,13 @@ def test_reverse_kl_to_the_cells_teacher(small_config, domain_tokenizer):
     assert abs(diff["arith/low"]["reverse_kl"]) < 1e-5 < diff["text/low"]["reverse_kl"]
     rep = ev.table({c: {"score": 1.0, "n": 2, "reasoning_tokens": 1.0} for c in diff}, {"s": diff})
     assert rep["reverse_kl"][-1]["cell"] == "mean" and "reverse KL" in ev.markdown(rep)
+
+
+def test_answers_longer_than_the_cap_are_named(domain_tokenizer):
+    """With the 320-token test vocabulary some pyfunc answers need more tokens than a small cap allows: the
+    warning counts them and names the cap that would fit them; a cap that fits them all gives none."""
+    problems = eval_problems(make_domains(), 6, seed=0)
+    need = max(len(domain_tokenizer.encode(p.answer, allow_special=False)) for ps in problems.values() for p in ps)
+    msg = ev.long_answers(problems, domain_tokenizer, need - 1)
+    assert msg is not None and f"up to {need})" in msg and f"--max-answer-tokens to {need}" in msg
+    assert ev.long_answers(problems, domain_tokenizer, need) is None

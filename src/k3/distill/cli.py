@@ -226,12 +226,14 @@ def _eval_closure(out: Path, teachers, student, domains, tok, mc, args):
     """evaluate(step) for the loop: the student on eval_n evaluation problems per cell, gaps to the teachers
     (teachers scored once, cached in OUT/teacher_eval.json)."""
     from k3.distill.domains import cell_name, eval_problems
-    from k3.distill.evaluate import effort_lengths, evaluate_cells
+    from k3.distill.evaluate import effort_lengths, evaluate_cells, long_answers
     from k3.fileio import atomic_write_json
 
     if mc.eval_n <= 0:
         return None
     problems = {c: ps for c, ps in eval_problems(domains, mc.eval_n, mc.eval_seed).items() if c in mc.cells}
+    if (msg := long_answers(problems, tok, mc.max_answer_tokens)) is not None:
+        print(f"warning: {msg}", file=sys.stderr)
     key = {"eval_n": mc.eval_n, "eval_seed": mc.eval_seed, "budgets": mc.budgets,
            "max_answer_tokens": mc.max_answer_tokens,
            "teachers": {cell_name(*c): teachers.identities.get(c, teachers.sources.get(c, "")) for c in mc.cells},
@@ -330,7 +332,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from k3.distill.domains import cell_name, eval_problems, make_domains
-    from k3.distill.evaluate import evaluate_cells, markdown, plot_gaps, table
+    from k3.distill.evaluate import evaluate_cells, long_answers, markdown, plot_gaps, table
     from k3.distill.mopd import load_teacher_matrix
     from k3.fileio import atomic_write_json, atomic_write_text
     from k3.train.cli import set_threads
@@ -354,6 +356,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cells = _parse_cells(args.cells)
     teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, cells=cells)
     problems = {c: ps for c, ps in eval_problems(domains, args.n, args.seed).items() if c in cells}
+    if (msg := long_answers(problems, tok, args.max_answer_tokens)) is not None:
+        print(f"warning: {msg}", file=sys.stderr)
     n_rows = sum(len(v) for v in problems.values()) * (1 + len(models))
     bar = tqdm(total=n_rows, unit="answer", desc="eval", disable=args.quiet, file=sys.stderr, dynamic_ncols=True)
     try:

@@ -22,6 +22,19 @@ from k3.distill.rollout import sample
 log = logging.getLogger(__name__)
 
 
+def long_answers(problems: dict[tuple[str, str], Sequence[Problem]], tokenizer, max_answer_tokens: int) -> str | None:
+    """A warning when some reference answers need more than `max_answer_tokens` tokens (those problems cannot be
+    answered in full, so every model scores lower on them; a small vocabulary makes answers long), else None."""
+    seen = {p.answer for ps in problems.values() for p in ps}
+    lengths = {a: len(tokenizer.encode(a, allow_special=False)) for a in seen}
+    over = [n for n in lengths.values() if n > max_answer_tokens]
+    if not over:
+        return None
+    return (f"{len(over)} of {len(lengths)} distinct reference answers need more than --max-answer-tokens "
+            f"{max_answer_tokens} tokens (up to {max(over)}): those problems cannot be answered in full; raise "
+            f"--max-answer-tokens to {max(over)} or use a larger vocabulary")
+
+
 def evaluate_cells(models: torch.nn.Module | dict[tuple[str, str], torch.nn.Module],
                    problems: dict[tuple[str, str], Sequence[Problem]], domains: dict[str, Domain], tokenizer,
                    budgets: dict[str, int], max_answer_tokens: int = 40, batch_size: int = 96,
