@@ -79,7 +79,7 @@ def test_models_and_health(server_url, tiny_model):
 def test_completion_text_and_usage(server_url, tiny_model, serve_tokenizer):
     tok = serve_tokenizer
     ids = tok.encode("def main():")
-    want_ids, want_text = _greedy(tiny_model, tok, ids, 12)
+    want_ids, want_text = _greedy(tiny_model, tok, ids, 12, skip_special_tokens=True)  # the server's default
     r = client(server_url).completions.create(model=MODEL, prompt="def main():", max_tokens=12, temperature=0)
     assert r.choices[0].text == want_text
     assert r.choices[0].finish_reason == ("stop" if len(want_ids) < 12 else "length")
