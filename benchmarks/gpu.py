@@ -639,6 +639,8 @@ def main(argv=None) -> dict:
         if _RUNNING is not None:  # the rows the running section has saved so far
             part, name = _RUNNING
             results[name] = {**read_part(part, name), "error": "terminated while running"}
+        for name in wanted:  # a section that had not started (or the signal came between two) says so
+            results.setdefault(name, {"error": "not run: terminated"})
         write_result(out, results)
         raise SystemExit(128 + signum)
 

@@ -80,6 +80,7 @@ import gpu
 def hangs(dev, quick):
     out = {{"first_row": 1}}
     gpu.save_partial(out)
+    open({marker!r}, "w").close()  # the row is saved: a test may stop the run now
     time.sleep(120)
     return out
 
@@ -93,7 +94,8 @@ def _hanging_script(tmp_path) -> str:
     from pathlib import Path
 
     script = tmp_path / "hanging_gpu.py"
-    script.write_text(_HANGING.format(bench=str(Path(__file__).resolve().parents[1] / "benchmarks")))
+    script.write_text(_HANGING.format(bench=str(Path(__file__).resolve().parents[1] / "benchmarks"),
+                                      marker=str(tmp_path / "peaks-saved")))
     return str(script)
 
 
@@ -119,15 +121,40 @@ def test_a_terminated_run_keeps_the_finished_sections(tmp_path):
     p = subprocess.Popen([sys.executable, _hanging_script(tmp_path), "--device", "cpu", "--quick", "--only",
                           "mx,peaks", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.time()
-    while not out.exists() and time.time() - t0 < 100 and p.poll() is None:  # written once mx has finished
-        time.sleep(0.2)
+    while not (tmp_path / "peaks-saved").exists() and time.time() - t0 < 100 and p.poll() is None:
+        time.sleep(0.2)  # mx has finished and peaks has saved its first row
     p.send_signal(signal.SIGTERM)
     log = p.communicate(timeout=60)[0]
     assert p.returncode == 128 + signal.SIGTERM, log[-2000:]
     res = json.loads(out.read_text())
     assert "error" not in res["mx"] and res["mx"]["mxfp4"]["random_code_mismatches"] == 0
     assert res["terminated"].startswith(f"signal {int(signal.SIGTERM)}")
-    assert res["peaks"]["error"] == "terminated while running"  # with whatever rows it had saved (none here)
+    assert res["peaks"]["error"] == "terminated while running" and res["peaks"]["first_row"] == 1
+
+
+def test_a_run_terminated_between_sections_names_those_it_did_not_run(gpu_bench, tmp_path):
+    """A SIGTERM that lands after one section and before the next has started leaves no section unnamed."""
+    import signal
+
+    out = tmp_path / "gpu.json"
+    real = gpu_bench.run_isolated
+
+    def stop_before_the_second(name, args, timeout):
+        if name == "peaks":
+            signal.raise_signal(signal.SIGTERM)
+        return real(name, args, timeout)
+
+    gpu_bench.run_isolated = stop_before_the_second
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            gpu_bench.main(["--device", "cpu", "--quick", "--only", "mx,peaks", "--out", str(out)])
+    finally:
+        gpu_bench.run_isolated = real
+        signal.signal(signal.SIGTERM, previous)
+    assert e.value.code == 128 + signal.SIGTERM
+    res = json.loads(out.read_text())
+    assert "error" not in res["mx"] and res["peaks"]["error"] == "not run: terminated"
 
 
 def test_the_budget_skips_what_it_cannot_fit(gpu_bench, tmp_path):
