@@ -24,6 +24,22 @@ def load_benchmark():
     return _load_benchmark
 
 
+@pytest.fixture(scope="session")
+def load_training_benchmark(tmp_path_factory):
+    """load_training_benchmark(NAME): load_benchmark for the scripts that train on data (`--data`, default the
+    checkout's runs/data): their main(argv) trains on a data directory of this test session unless argv names
+    --data, so that tests neither read nor rebuild runs/data (it may hold another corpus, or be rebuilt by a
+    second test run at the same time)."""
+    data_dir = tmp_path_factory.mktemp("bench_data") / "data"
+
+    def load(name: str):
+        mod = _load_benchmark(name)
+        main = mod.main
+        mod.main = lambda argv: main(argv if "--data" in argv else [*argv, "--data", str(data_dir)])
+        return mod
+    return load
+
+
 def _load_benchmark(name: str):
     import importlib.util
     from pathlib import Path

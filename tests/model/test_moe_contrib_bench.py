@@ -9,8 +9,8 @@ from k3.model.moe import MoE
 
 
 @pytest.fixture(scope="module")
-def contrib(load_benchmark):
-    return load_benchmark("moe_contrib")
+def contrib(load_training_benchmark):
+    return load_training_benchmark("moe_contrib")
 
 
 def _scaled_moe(moe: str) -> MoE:

@@ -5,8 +5,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def stab(load_benchmark):
-    return load_benchmark("stability")
+def stab(load_training_benchmark):
+    return load_training_benchmark("stability")
 
 
 def test_parse_vary(stab):

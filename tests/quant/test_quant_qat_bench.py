@@ -5,8 +5,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def qat_bench(load_benchmark):
-    return load_benchmark("qat")
+def qat_bench(load_training_benchmark):
+    return load_training_benchmark("qat")
 
 
 def test_summarize_means_and_verdicts(qat_bench):
