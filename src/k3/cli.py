@@ -42,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """True when stdout is a pipe whose reading end is closed (poll reports POLLERR on its writing end). A flush
+    cannot tell: the failed write that raised has already dropped the buffered text, so a second flush succeeds."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return code
     except BrokenPipeError as e:  # `k3 ... | head`: the reader has what it wanted, if it was stdout that broke
-        try:
-            sys.stdout.flush()
-        except BrokenPipeError:
+        if _stdout_reader_gone():
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
             return 0
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)  # another pipe (a worker, a socket)
