@@ -191,7 +191,7 @@ def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
     assert not files.reused and files.train.n_docs + files.val.n_docs == 12 and files.val.n_docs >= 1
     assert files.info["request"]["vocab_size"] == 512 and files.info["tokenizer_bytes"] > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["data.json", "tokenizer.json", "train.bin", "train.docs.npy", "train.json",
+        [".k3-data", "data.json", "tokenizer.json", "train.bin", "train.docs.npy", "train.json",
          "val.bin", "val.docs.npy", "val.json"])
     again = prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0)
     assert again.reused and again.tokenizer.fingerprint == files.tokenizer.fingerprint
@@ -305,3 +305,20 @@ def test_corpus_fingerprint_follows_content_not_mtime(text_dir):
     assert edited != before
     os.utime(f)  # a touch: same content, new mtime
     assert open_corpus(str(text_dir)).fingerprint() == edited
+
+
+def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir, tmp_path):
+    """A directory holding a train.json (or tokenizer.json, ...) of the user's own is refused unless forced; a
+    build of k3's own that failed part way is rebuilt without --force."""
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "train.json").write_text('{"mine": true}')
+    with pytest.raises(ValueError, match="not written by k3"):
+        prepare_data(user, str(text_dir), vocab_size=512, decontaminate=0)
+    assert (user / "train.json").read_text() == '{"mine": true}'
+    assert not prepare_data(user, str(text_dir), vocab_size=512, decontaminate=0, force=True).reused
+    failed = tmp_path / "failed"
+    prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0)
+    for name in ("data.json", "train.json", "val.json"):  # as a build that stopped after its tokenizer leaves it
+        (failed / name).unlink()
+    assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused

@@ -148,3 +148,33 @@ def test_demo_dir_check_treats_a_damaged_data_manifest_as_rebuildable(tmp_path):
         d.mkdir()
         (d / "data.json").write_text(json.dumps({"request": {"source": source}}))
         _check_demo_dirs(d, tmp_path / "out")  # prepare_data rebuilds it; no crash here
+
+
+def test_ctrl_c_saves_the_step_in_progress_and_resume_continues(tiny_data_dir, tmp_path):
+    """The first Ctrl-C stops `k3 train` after the step in progress and saves it (exit 130); --resume continues
+    from that step. Without it, a run with --ckpt-every 0 lost every step on Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
+           str(out), "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--threads", "1", "-q"]
+    p = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and p.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3:
+            break
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr[-2000:]
+    assert "interrupt" in stderr and "Traceback" not in stderr
+    step = int(stdout.split("trained to step ")[1].split()[0].rstrip(","))
+    assert step >= 3 and f"step_{step:06d}" in stdout
+    assert (out / "checkpoint" / "latest").read_text().strip() == f"step_{step:06d}"
+    r = subprocess.run([*cmd, "--steps", str(step + 2), "--resume"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"trained to step {step + 2} (2 in this run, from step {step})" in r.stdout, \
+        r.stdout + r.stderr[-2000:]

@@ -271,3 +271,13 @@ def test_distributed_guards_that_need_no_collective(tmp_path, fake_data):
         t.fit()
     with pytest.raises(ValueError, match="distributed \\(DCP\\) checkpoint.*k3 train --resume"):
         t.fit(resume=True)
+
+
+def test_eval_batch_count_is_what_eval_batches_yields(tiny_data_dir):
+    """`k3 eval`'s progress bar total: the count of eval_batches' batches, capped or not."""
+    from k3.data import load_data
+    from k3.train.trainer import eval_batch_count, eval_batches
+
+    val = load_data(tiny_data_dir).val
+    for bs, t, cap in [(8, 64, None), (8, 64, 3), (3, 100, 7), (5, 32, 10_000), (1, 512, 2)]:
+        assert eval_batch_count(val, bs, t, cap) == sum(1 for _ in eval_batches(val, bs, t, cap)), (bs, t, cap)

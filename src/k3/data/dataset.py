@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DATASET_FORMAT = 1
 DATA_MANIFEST = "data.json"
+DATA_MARK = ".k3-data"  # written before a build starts: the directory's files are k3's, even if the build failed
 DEFAULT_DECONTAMINATE = 0.5  # validation documents this much made of training lines are left out
 _BATCH_SALT = 0x6B33  # keeps these streams apart from any other SeedSequence([seed, step]) in k3
 
@@ -359,6 +360,13 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
         raise ValueError(f"{out_dir} holds data tokenized from {held}; tokenizing {corpus.description} there would "
                          "replace it (and strand the checkpoints trained on it): use another directory, or "
                          "`k3 tokenize --force` to replace it")
+    if not force and held is None and not (out_dir / DATA_MARK).is_file():
+        ours = [n for n in (DATA_MANIFEST, TOKENIZER_FILE, "train.bin", "train.json", "train.docs.npy", "val.bin",
+                            "val.json", "val.docs.npy") if (out_dir / n).exists()]
+        if ours:
+            raise ValueError(f"{out_dir} holds {', '.join(ours)}, not written by k3 (no data record there); building "
+                             "the data there would replace them: use another directory, or `k3 tokenize --force` to "
+                             "replace them")
     if not force and (out_dir / DATA_MANIFEST).is_file():
         try:
             files = load_data(out_dir)
@@ -369,6 +377,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
         except (ValueError, OSError, KeyError, json.JSONDecodeError) as err:
             log.info("rebuilding %s: %s", out_dir, err)
     out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / DATA_MARK, "data built by k3 (k3 tokenize / k3 train); rebuilt in place\n")
     (out_dir / DATA_MANIFEST).unlink(missing_ok=True)
 
     t0 = time.perf_counter()

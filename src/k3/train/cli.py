@@ -157,22 +157,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         done = len(result.losses)
         this_call = f" ({done} in this run, from step {result.steps_done - done})" if done != result.steps_done else ""
+        why = " (time budget reached)" if result.stopped_early else " (interrupted)" if result.interrupted else ""
         print(f"trained to step {result.steps_done}{this_call}, {result.tokens:,} tokens in all, in "
-              f"{result.elapsed_s / 60:.1f} min{' (time budget reached)' if result.stopped_early else ''}; "
-              f"last train loss {result.losses[-1]:.4f}")
+              f"{result.elapsed_s / 60:.1f} min{why}; last train loss {result.losses[-1]:.4f}")
     if result.val:
         v = result.val[-1]
         print(f"validation loss {v['val_loss']:.4f}" + (f", {v['val_bpb']:.4f} bits/byte" if "val_bpb" in v else ""))
     print(f"metrics    {Path(args.out) / 'metrics.jsonl'}")
     print(f"plots      {', '.join(str(p) for p in plots.values())}")
-    print(f"checkpoint {result.checkpoint}")
+    print(f"checkpoint {result.checkpoint or 'none written'}")
+    if result.interrupted:
+        print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
+              file=sys.stderr)
+        return 130
     return 0
 
 
 # ---------------------------------------------------------------------- k3 eval
 def cmd_eval(args: argparse.Namespace) -> int:
     from k3.train.metrics import bits_per_byte
-    from k3.train.trainer import evaluate, load_trained_model, resolve_device
+    from k3.train.trainer import eval_batch_count, evaluate, load_trained_model, resolve_device
 
     for flag, value in (("--max-batches", args.max_batches), ("--batch-size", args.batch_size),
                         ("--seq-len", args.seq_len)):
@@ -195,9 +199,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or manifest.get("data", {}).get("seq_len") or 256
     from k3.train.trainer import check_dataset
 
+    if seq_len > model.config.max_context:
+        raise ValueError(f"--seq-len {seq_len} is longer than the model's max_context = {model.config.max_context}; "
+                         f"give --seq-len {model.config.max_context} or less")
     check_dataset(files.val, "validation", model.config, 1, seq_len, 0)
     t0 = time.perf_counter()
-    loss = evaluate(model, files.val, args.max_batches, args.batch_size, seq_len, device=device)
+    from tqdm.auto import tqdm
+
+    total = eval_batch_count(files.val, args.batch_size, seq_len, args.max_batches)
+    with tqdm(total=total, unit="batch", desc="eval", disable=args.quiet, file=sys.stderr, dynamic_ncols=True) as bar:
+        loss = evaluate(model, files.val, args.max_batches, args.batch_size, seq_len, device=device,
+                        progress=bar.update)
     out = {"checkpoint": manifest["path"], "step": manifest["step"], "split": "val", "seq_len": seq_len,
            "val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "seconds": round(time.perf_counter() - t0, 2)}
     bpt = _bytes_per_token(files.val)
@@ -214,14 +226,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- k3 sample
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int,
+                   tokens_flag: str = "--max-new-tokens") -> None:
+    """The sampling flags' ranges, each named (NaN and infinity are refused: they fail inside the sampler)."""
+    import math
+
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature {temperature} must be a finite number >= 0 (0 = greedy)")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"--top-p {top_p} must be in (0, 1] (1 = no nucleus cut)")
+    if max_new_tokens < 1:
+        raise ValueError(f"{tokens_flag} {max_new_tokens} must be >= 1")
+
+
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
                   top_p: float = 0.95, seed: int = 0) -> str:
     """Continue `prompt` (an empty prompt starts a new document) and cut at the first <|eos|>."""
     import torch
 
-    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1; got {temperature}, "
-                         f"{top_p}, {max_new_tokens}")
+    check_sampling(temperature, top_p, max_new_tokens)
     ids = tokenizer.encode(prompt, allow_special=False) if prompt else [tokenizer.eos_id]
     if len(ids) + max_new_tokens > model.config.max_context:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_context = "
@@ -238,6 +261,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, tempe
 def cmd_sample(args: argparse.Namespace) -> int:
     from k3.train.trainer import checkpoint_tokenizer, load_trained_model, resolve_device
 
+    check_sampling(args.temperature, args.top_p, args.max_new_tokens)
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples {args.num_samples} must be >= 1")
     model, manifest = load_trained_model(args.ckpt, resolve_device(args.device))
     tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
     for i in range(args.num_samples):
@@ -262,8 +288,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     threads = set_threads(args.threads, auto=True)
     if not args.minutes > 0:
         raise ValueError(f"--minutes = {args.minutes} must be positive")
+    check_sampling(0.8, 0.95, args.sample_tokens, "--sample-tokens")  # checked now, not after training
     out = Path(args.out)
     config = config_from_args(args)
+    if args.sample_tokens >= config.max_context:
+        raise ValueError(f"--sample-tokens {args.sample_tokens} leaves no room for a prompt in max_context = "
+                         f"{config.max_context}; give fewer")
     tc = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                      optimizer=args.optimizer, max_minutes=args.minutes, fit_steps_to_budget=True,
                      warmup_steps=args.warmup_steps, eval_every=0, eval_batches=args.eval_batches,
@@ -302,6 +332,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         result = trainer.fit(on_step=progress.on_step, on_eval=progress.on_eval)
     finally:
         progress.close()
+    if result.interrupted:  # the checkpoint is saved; samples, plots and the summary are skipped
+        print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'}",
+              file=sys.stderr)
+        return 130
 
     samples = []
     for i, prompt in enumerate(DEMO_PROMPTS):
@@ -414,6 +448,7 @@ def register(sub) -> None:
     p.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint")

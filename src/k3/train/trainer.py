@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,13 +139,26 @@ class TrainResult:
     tokens: int = 0
     elapsed_s: float = 0.0
     stopped_early: bool = False
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT) after a whole step, with a checkpoint of it
     checkpoint: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
+    """--device auto | cpu | cuda[:N] -> a torch.device this machine has (ValueError naming the flag otherwise)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device; use auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine (this torch build "
+                         f"{'has no CUDA' if torch.version.cuda is None else 'sees no GPU'}); use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    return dev
 
 
 def _holds_distributed_checkpoint(path) -> bool:
@@ -285,10 +299,21 @@ def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None
 
 
 @torch.no_grad()
+def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | None = None) -> int | None:
+    """How many batches `eval_batches` yields for these arguments (None where the dataset cannot say)."""
+    tokens = getattr(dataset, "tokens", None)
+    if tokens is not None and hasattr(tokens, "__len__") and len(tokens) > seq_len:
+        n_windows = (len(tokens) - 1) // seq_len
+        if max_batches is not None and max_batches * batch_size < n_windows:
+            n_windows = len(np.unique(np.linspace(0, n_windows - 1, max_batches * batch_size).round()))
+        return -(-n_windows // batch_size)
+    return max_batches
+
+
 def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: int, seq_len: int, seed: int = 0,
-             device: torch.device | str = "cpu") -> float:
+             device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None) -> float:
     """Mean cross-entropy (nats / token) over `batches` validation batches spread evenly over the split (None:
-    all of them; see `eval_batches`)."""
+    all of them; see `eval_batches`). `progress(1)` is called after each batch."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -296,11 +321,13 @@ def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: i
     try:
         for x, y in eval_batches(dataset, batch_size, seq_len, batches, seed):
             x, y = x.to(device), y.to(device)
-            with _autocast(device):
+            with _autocast(device), torch.no_grad():  # no graph: an evaluation needs no gradients
                 logits = model(x)
             total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                            reduction="sum"))
             n += y.numel()
+            if progress is not None:
+                progress(1)
     finally:
         model.train(was_training)
     if n == 0:
@@ -575,6 +602,7 @@ class Trainer:
             if cb is not None:
                 cb(rec)
 
+        interrupt = _GracefulInterrupt(self.ckpt_dir is not None)
         try:
             if tc.eval_at_start and self.step == 0:
                 v = self.run_eval()
@@ -617,6 +645,10 @@ class Trainer:
                         emit(v, on_eval)
                 if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final):
                     saved_at = self.save()
+                if interrupt.requested:
+                    result.interrupted = True
+                    log.info("interrupted at step %d: saving a checkpoint (--resume continues from it)", self.step)
+                    break
             if result.stopped_early and not (result.val and result.val[-1].get("step") == self.step):
                 v = self.run_eval()
                 if v is not None:
@@ -626,6 +658,7 @@ class Trainer:
             if self.ckpt_dir is not None and result.losses and not saved_now:
                 saved_at = self.save()
         finally:
+            interrupt.restore()
             if writer is not None:
                 writer.close()
         result.steps_done = self.step
@@ -635,6 +668,40 @@ class Trainer:
             saved_at = ckpt.latest_checkpoint(self.ckpt_dir)
         result.checkpoint = str(saved_at) if saved_at is not None else None
         return result
+
+
+class _GracefulInterrupt:
+    """While a single-process run with a checkpoint directory trains, the first Ctrl-C (SIGINT) asks it to stop
+    after the step in progress and save a checkpoint (a step cut half way, e.g. inside the optimizer update,
+    could not be saved as any step); a second Ctrl-C stops at once. Distributed runs keep the default (every rank
+    would have to stop at the same step), as does a caller outside the main thread."""
+
+    def __init__(self, enabled: bool):
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if not enabled or threading.current_thread() is not threading.main_thread() or (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # someone else handles SIGINT: leave it to them
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: finishing this step and saving a checkpoint; press Ctrl-C again to stop at once",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _load_record(loads: list[torch.Tensor]) -> dict:
