@@ -405,7 +405,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    log.info("exported %s (step %s) to %s", manifest.get("path", ckpt_dir), manifest.get("step"), out)
+    log.debug("exported %s (step %s) to %s", manifest.get("path", ckpt_dir), manifest.get("step"), out)
     return out
 
 

@@ -114,10 +114,16 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike 
     from k3.train.checkpoint import check_config
     from k3.train.trainer import checkpoint_tokenizer, load_trained_model
 
+    if config_path is not None:  # read before the model is loaded: a bad file is named at once
+        try:
+            want = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--config {config_path}: not valid JSON ({e}); give a config JSON as `k3 config` "
+                             "prints it") from None
+        want = K3Config.from_dict(want)
     model, manifest = load_trained_model(ckpt, device)
     if config_path is not None:
-        check_config(manifest.get("config"), K3Config.from_dict(json.loads(Path(config_path).read_text())),
-                     f"{manifest['path']}/manifest.json")
+        check_config(manifest.get("config"), want, f"{manifest['path']}/manifest.json")
     return model, checkpoint_tokenizer(manifest, model.config.vocab_size, tokenizer_path), manifest
 
 

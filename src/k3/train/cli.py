@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from k3.data.cli import parse_bytes
 from k3.model.cli import add_config_args, config_from_args
 
 DEFAULT_DATA = "runs/data"
@@ -474,5 +475,6 @@ def register(sub) -> None:
     _add_run_args(p, steps=None, batch=4, seq=128, lr=3e-3, warmup="10", eval_batches=16)
     p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
     p.add_argument("--sample-tokens", type=int, default=80, help="tokens per sample in samples.txt")
-    p.add_argument("--max-bytes", type=int, default=None, help="cap on corpus bytes per split (default: all)")
+    p.add_argument("--max-bytes", type=parse_bytes, default=None,
+                   help="cap on corpus bytes per split, e.g. 5MB (default: all)")
     p.set_defaults(func=cmd_demo, warmup_steps=10)
