@@ -64,7 +64,7 @@ def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
     assert capsys.readouterr().out == first  # seeded sampling is reproducible
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "vocab", "qat", "unwritable", "exists", "raw"])
+@pytest.mark.parametrize("case", ["missing", "empty", "vocab", "qat", "unwritable", "exists", "raw", "both"])
 def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys):
     data, out, extra = str(tiny_data_dir), str(tmp_path / "out"), []
     if case == "missing":
@@ -80,6 +80,8 @@ def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys
         extra, want = ["--set", "vocab_size=1024"], "vocabulary of 512"
     elif case == "qat":
         extra, want = ["--qat", "bogus=1"], "KEY=FORMAT"
+    elif case == "both":
+        extra, want = ["--resume", "--overwrite"], "give one of them"
     elif case == "unwritable":
         (tmp_path / "f").write_text("")
         out, want = str(tmp_path / "f" / "out"), "not writable"

@@ -135,6 +135,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from k3.train.plots import plot_all
     from k3.train.trainer import Trainer
 
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
     code = maybe_run_parallel(args)  # --nproc/--ep/--fsdp/--pp: torchrun re-launch, or one rank of it
     if code is not None:
         return code
