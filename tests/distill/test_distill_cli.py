@@ -1,4 +1,7 @@
 import json
+import shutil
+
+import pytest
 
 from k3.cli import main
 from k3.train.metrics import read_metrics
@@ -185,3 +188,126 @@ def test_single_teacher_gaps_are_to_each_cells_own_teacher(tmp_path, domain_toke
     assert main([*mopd, "--out", str(tmp_path / "b")]) == 0
     assert "not each cell's own" not in capsys.readouterr().err
     assert reference(tmp_path / "b") == {"arith/low": "arith/low"}
+
+
+# ---------------------------------------------------------------------- bad input, refused before any work
+@pytest.fixture(scope="module")
+def trained_teachers(tmp_path_factory, domain_tokenizer):
+    """A one-cell teacher matrix at toy scale, trained once for the tests below (copy it before changing it)."""
+    t = tmp_path_factory.mktemp("teachers") / "t"
+    assert main(["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+                 str(domain_tokenizer.path), "--out", str(t), "--cells", "arith/low", "--base-steps", "1", "--steps",
+                 "1", "--batch-size", "2", "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "--threads",
+                 "1", "-q"]) == 0
+    return t
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "teachers"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[]", "holds a JSON list"),
+    ("{", "is not valid JSON"),
+    ("drop budgets", "has no 'budgets'"),
+    ("teachers int", "has 'teachers' = {'arith/low': 5}"),
+    ("teachers bad cell", "lists a teacher for 'arith/extreme'"),
+    ("drop tokenizer", "has no 'tokenizer'"),
+])
+def test_malformed_teachers_json_is_named_with_its_fix(tmp_path, capsys, content, says):
+    """teachers.json is checked where it is read: a list, a missing key or a wrong type is a one-line error naming
+    the file and `k3 distill teachers`, not an AttributeError, KeyError or TypeError."""
+    from k3.distill.mopd import TEACHERS_FORMAT
+
+    t = tmp_path / "t"
+    t.mkdir()
+    good = {"format": TEACHERS_FORMAT, "tokenizer": "tokenizer.json", "tokenizer_sha256": "0" * 64, "base": "base",
+            "budgets": {"low": 2, "medium": 3, "high": 4}, "teachers": {"arith/low": "arith-low"}}
+    edits = {"drop budgets": lambda d: d.pop("budgets"), "drop tokenizer": lambda d: d.pop("tokenizer"),
+             "teachers int": lambda d: d.update(teachers={"arith/low": 5}),
+             "teachers bad cell": lambda d: d.update(teachers={"arith/extreme": "x"})}
+    if content in edits:
+        edits[content](good)
+        content = json.dumps(good)
+    (t / "teachers.json").write_text(content)
+    for cmd in (["distill", "mopd", "--teachers", str(t), "--out", str(tmp_path / "m"), "-q"],
+                ["distill", "eval", "--teachers", str(t), "-q"],
+                ["distill", "generate", "--teachers", str(t), "--model", str(t), "--prompt", "<|effort:low|> 1"]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert says in err and str(t / "teachers.json") in err and "k3 distill teachers" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_distill_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """Each bad flag is named in one line, before a tokenizer is trained or a model loaded (the teachers directory
+    here does not exist: reading it would be a different error)."""
+    import k3.data.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer"))
+    nowhere, dirpath = str(tmp_path / "nowhere"), tmp_path / "adir"
+    dirpath.mkdir()
+    teach = ["distill", "teachers", "--preset", "tiny", "--out", str(tmp_path / "t"), "-q"]
+    mopd = ["distill", "mopd", "--teachers", nowhere, "--out", str(tmp_path / "m"), "-q"]
+    ev = ["distill", "eval", "--teachers", nowhere, "-q"]
+    gen = ["distill", "generate", "--model", nowhere, "--teachers", nowhere, "--prompt", "<|effort:low|> 1"]
+    cases = [
+        (teach + ["--steps", "-1"], "--steps -1 must be a positive integer"),
+        (teach + ["--base-steps", "0"], "--base-steps 0 must be a positive integer"),
+        (teach + ["--teacher-lr", "-1"], "--teacher-lr -1.0 must be a positive number"),
+        (teach + ["--lr", "nan"], "--lr nan must be a positive number"),
+        (teach + ["--batch-size", "0"], "--batch-size 0 must be a positive integer"),
+        (teach + ["--max-context", "0"], "--max-context 0 must be a positive integer"),
+        (teach + ["--resume", "--overwrite"], "give one"),
+        (mopd + ["--temperature", "nan"], "--temperature nan must be a finite number > 0"),
+        (mopd + ["--temperature", "inf"], "--temperature inf must be a finite number > 0"),
+        (mopd + ["--eval-n", "-1"], "--eval-n -1 must be an integer >= 0"),
+        (mopd + ["--resume", "--overwrite"], "--resume continues the run and --overwrite starts it over; give one"),
+        (mopd + ["--match-tokens", nowhere], f"--match-tokens {nowhere}: no {nowhere}/metrics.jsonl; give the --out"),
+        (ev + ["--n", "0"], "--n 0 must be a positive integer"),
+        (ev + ["--n", "-1"], "--n -1 must be a positive integer"),
+        (ev + ["--gap-run", nowhere], f"--gap-run {nowhere}: no {nowhere}/metrics.jsonl"),
+        (ev + ["--out", str(dirpath)], f"--out {dirpath} is a directory; give a file path"),
+        (ev + ["--markdown", str(dirpath)], f"--markdown {dirpath} is a directory; give a file path"),
+        (gen + ["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+        (gen + ["--temperature", "inf"], "--temperature inf must be a finite number >= 0"),
+        (gen + ["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "t").exists()  # nothing made before the flags were checked
+
+
+def test_distill_errors_name_the_distill_fix(tmp_path, capsys, trained_teachers, domain_tokenizer):
+    """A missing base or teacher and a corrupt tokenizer of a teacher matrix point at `k3 distill teachers`;
+    generate with another tokenizer says so in its own terms (no teacher and student there)."""
+    from k3.data.tokenizer import train_tokenizer
+
+    other = train_tokenizer(["a b c d e f"] * 50, 300, path=tmp_path / "other.json", allow_short=True)
+    assert main(["distill", "generate", "--model", str(trained_teachers / "base"), "--tokenizer", str(other.path),
+                 "--prompt", "<|effort:low|> sum 1+2"]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {other.path}" in err and "pass the tokenizer it was trained with" in err
+    assert "reverse KL" not in err and "student" not in err
+
+    t = _copy(trained_teachers, tmp_path)
+    mopd = ["distill", "mopd", "--teachers", str(t), "--out", str(tmp_path / "m"), "--cells", "arith/low", "--steps",
+            "1", "--eval-n", "0", "-q"]
+    shutil.rmtree(t / "arith-low")
+    assert main(mopd) == 2
+    err = capsys.readouterr().err
+    assert "teacher arith/low" in err and "k3 distill teachers" in err and "`k3 train" not in err
+    shutil.rmtree(t / "base")
+    for argv in (mopd, ["distill", "eval", "--teachers", str(t), "--cells", "arith/low", "--n", "1", "-q"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{t / 'base'} does not exist" in err and "k3 distill teachers" in err and "`k3 train" not in err
+    (t / "tokenizer.json").write_text("{not json")
+    assert main(mopd) == 2
+    err = capsys.readouterr().err
+    assert "is not a valid k3 tokenizer" in err and "k3 distill teachers" in err and "`k3 tokenize" not in err
+

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -129,8 +130,9 @@ def test_teacher_matrix_loading_checks_the_tokenizer(tmp_path, small_config, dom
     model = K3Model(small_config)
     save_checkpoint(tmp_path / "arith-low" / "checkpoint", 1, model, config=small_config,
                     extra={"tokenizer_sha256": "0" * 64})
-    (tmp_path / mopd.TEACHERS_FILE).write_text(json.dumps({"format": mopd.TEACHERS_FORMAT,
-                                                           "teachers": {"arith/low": "arith-low"}}))
+    (tmp_path / mopd.TEACHERS_FILE).write_text(json.dumps({
+        "format": mopd.TEACHERS_FORMAT, "tokenizer": "tokenizer.json", "tokenizer_sha256": "0" * 64, "base": "base",
+        "budgets": {"low": 8, "medium": 16, "high": 32}, "teachers": {"arith/low": "arith-low"}}))
     with pytest.raises(ValueError, match="teacher arith/low .* must share one tokenizer"):
         mopd.load_teacher_matrix(tmp_path, domain_tokenizer.fingerprint, small_config.vocab_size,
                                  cells=[("arith", "low")])
@@ -146,11 +148,18 @@ def test_teacher_matrix_loading_checks_the_tokenizer(tmp_path, small_config, dom
     assert again.identities[("arith", "low")] != ident
     with pytest.raises(ValueError, match="k3 distill teachers"):
         mopd.read_teachers_file(tmp_path / "missing")
+    shutil.rmtree(tmp_path / "arith-low")  # a teacher removed: retrain it, not "k3 train"
+    with pytest.raises(ValueError, match=r"teacher arith/low: .*arith-low/checkpoint does not exist; retrain it with "
+                                         r"`k3 distill teachers --out .* --cells arith/low`"):
+        mopd.load_teacher_matrix(tmp_path, "0" * 64, small_config.vocab_size, cells=[("arith", "low")])
 
 
 def test_config_validation():
     with pytest.raises(ValueError, match="mode"):
         mopd.MOPDConfig(mode="sideways").validate()
+    for t in (float("inf"), float("nan"), 0.0):  # inf passed `> 0` and sampled uniformly
+        with pytest.raises(ValueError, match="temperature = .* must be a number > 0"):
+            mopd.MOPDConfig(temperature=t).validate()
     with pytest.raises(ValueError, match="needs on-policy"):
         mopd.MOPDConfig(mode="off-policy", reward_coef=0.5).validate()
     with pytest.raises(ValueError, match="REINFORCE term"):

@@ -77,3 +77,132 @@ def test_rl_bad_input(tmp_path, capsys):
     assert main(["rl", "train", "--root", root]) == 2
     assert "train 'warmstart' first" in capsys.readouterr().err
     assert main(["rl"]) == 2
+
+
+def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
+    """Each bad flag is named in one line before demonstrations are collected, a tokenizer built or a model loaded."""
+    import pytest
+
+    import k3.rl.train as rl_train
+    monkeypatch.setattr(rl_train, "demo_pool", lambda *a, **k: pytest.fail("collected demonstrations"))
+    root = tmp_path / "exp"
+    warm = ["rl", "warmstart", "--root", str(root), "-q"]
+    train = ["rl", "train", "--root", str(root), "-q"]
+    cases = [
+        (warm + ["--workers", "0"], "--workers 0 must be a positive integer"),
+        (warm + ["--workers", "-1"], "--workers -1 must be a positive integer"),
+        (warm + ["--decay-frac", "2"], "--decay-frac 2.0 must be a fraction of the steps, in [0, 1]"),
+        (warm + ["--decay-frac", "-0.5"], "--decay-frac -0.5 must be a fraction"),
+        (warm + ["--n-layers", "0"], "--n-layers 0 must be a positive integer"),
+        (warm + ["--steps", "0"], "--steps 0 must be a positive integer"),
+        (warm + ["--batch", "0"], "--batch 0 must be a positive integer"),
+        (warm + ["--demos-per-task", "0"], "--demos-per-task 0 must be a positive integer"),
+        (warm + ["--preset", "bogus"], "--preset 'bogus' is not a preset; choose one of"),
+        (warm + ["--resume", "--overwrite"], "--resume continues the run and --overwrite starts it over; give one"),
+        (warm + ["--resume"], "--resume: no checkpoint in"),
+        (train + ["--resume", "--overwrite"], "give one"),
+        (train + ["--name", "/abs"], "--name '/abs' must be a plain directory name under --root"),
+        (train + ["--name", "../escape"], "--name '../escape' must be a plain directory name"),
+        (train + ["--name", ""], "--name '' must be a plain directory name"),
+        (train + ["--name", ".."], "--name '..' must be a plain directory name"),
+        (train + ["--init", "../warmstart"], "--init '../warmstart' must be a plain directory name"),
+        (train + ["--init", "g1", "--name", "g1"], "--init g1 and --name g1 are the same run"),
+        (train + ["--decay-frac", "2"], "--decay-frac 2.0 must be a fraction"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (argv, err)
+    assert not root.exists()
+
+
+def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
+    """An empty --models/--harness, --variants/--n-per-kind/--n below 1, an output path that is a directory:
+    refused, and the experiment's eval.json is left alone; a run directory that holds a checkpoint names --name."""
+    from k3.data.tokenizer import train_tokenizer
+    root = tmp_path / "exp"
+    root.mkdir()
+    train_tokenizer(["a b c d e f"] * 50, 300, path=root / "tokenizer.json", allow_short=True)
+    (root / "eval.json").write_text('{"kept": true}')
+    (root / "adir").mkdir()
+    ev = ["rl", "eval", "--root", str(root)]
+    it = ["rl", "intent", "--root", str(root)]
+    cases = [
+        (ev + ["--models", ""], "--models '' names nothing"),
+        (ev + ["--models", " , "], "--models ' , ' names nothing"),
+        (ev + ["--harness", ""], "--harness '' names nothing"),
+        (ev + ["--harness", "bogus"], "unknown harness 'bogus'"),
+        (ev + ["--variants", "0"], "--variants 0 must be a positive integer"),
+        (ev + ["--n-per-kind", "0"], "--n-per-kind 0 must be a positive integer"),
+        (ev + ["--out", str(root / "adir")], f"--out {root / 'adir'} is a directory; give a file path"),
+        (ev + ["--models", "warmstart,typo"], "no checkpoint for warmstart, typo under"),
+        (it + ["--n", "-1"], "--n -1 must be a positive integer"),
+        (it + ["--n", "0"], "--n 0 must be a positive integer"),
+        (it + ["--models", ""], "--models '' names nothing"),
+        (it + ["--out", str(root / "adir")], "is a directory; give a file path"),
+    ]
+    for argv, says in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, (argv, err)
+    assert (root / "eval.json").read_text() == '{"kept": true}'
+
+    # a run that holds a checkpoint: continued or replaced, and the flag that picks another is --name
+    (root / "g1" / "checkpoint" / "step_000001").mkdir(parents=True)
+    (root / "g1" / "checkpoint" / "step_000001" / "manifest.json").write_text("{}")
+    assert main(["rl", "train", "--root", str(root), "--name", "g1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a checkpoint" in err and "another --name" in err and "--out" not in err
+
+
+def test_rl_plot_refuses_what_is_not_an_eval_report(tmp_path, capsys):
+    root = tmp_path / "exp"
+    (root / "g1").mkdir(parents=True)
+    (root / "g1" / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "fresh_rollouts": True,
+                                                           "reward_mean": 0.5}) + "\n")
+    plot = ["rl", "plot", "--root", str(root), "--runs", "g1", "--eval"]
+    report = {"tasks": 3, "variants": 1, "harnesses": ["unseen"],
+              "models": {"warmstart": {"step": 2, "unseen": {"success": 0.5, "ci95": [0.1, 0.9]}}}}
+    for content, says in (("{}", "is not a `k3 rl eval` report (no 'models')"),
+                          ("[]", "is not a `k3 rl eval` report (no 'models')"),
+                          ("", "is not JSON"), ("not json", "is not JSON"),
+                          (json.dumps({**report, "harnesses": "unseen"}), "no 'harnesses' list"),
+                          (json.dumps({**report, "models": {"warmstart": {"unseen": 0.5}}}), "model 'warmstart'"),
+                          (json.dumps({**report, "models": {}}), "evaluates no model")):
+        (tmp_path / "e.json").write_text(content)
+        assert main([*plot, str(tmp_path / "e.json")]) == 2, content
+        err = capsys.readouterr().err
+        assert says in err and str(tmp_path / "e.json") in err and err.count("\n") == 1, (content, err)
+    assert not (root / "reward.png").exists()
+    (tmp_path / "e.json").write_text(json.dumps(report))
+    assert main([*plot, str(tmp_path / "e.json")]) == 0
+    assert (root / "reward.png").stat().st_size > 0
+    (root / "adir").mkdir()
+    assert main(["rl", "plot", "--root", str(root), "--runs", "g1", "--out", str(root / "adir")]) == 2
+    assert "is a directory; give a file path" in capsys.readouterr().err
+
+
+def test_demo_passes_every_flag_of_each_stage(monkeypatch, tmp_path):
+    """`k3 rl --demo` calls the stages with Namespaces of its own: each must carry every flag the stage's parser
+    defines (a missing one, e.g. --micro-batch, was an AttributeError after the warm start had run)."""
+    import argparse
+
+    import k3.rl.cli as rl_cli
+    parser = argparse.ArgumentParser()
+    rl_cli.register(parser.add_subparsers(dest="command"))
+    seen = {}
+
+    def stage(name, ret):
+        def fn(args):
+            seen[name] = vars(args)
+            return ret
+        return fn
+    report = {"harnesses": ["canonical"], "models": {"warmstart": {"canonical": {"success": 0.0}}}}
+    for name, ret in (("warmstart", {}), ("train", {}), ("eval", report), ("plot", {"plot": "x"})):
+        monkeypatch.setattr(rl_cli, f"cmd_{name}", stage(name, ret))
+    rl_cli.cmd_demo(argparse.Namespace(root=str(tmp_path), threads=1, seed=0, quiet=True))
+    for name, argv in (("warmstart", ["rl", "warmstart"]), ("train", ["rl", "train"]), ("eval", ["rl", "eval"]),
+                       ("plot", ["rl", "plot"])):
+        # the flags of the stage's own parser (the `rl` parser's --threads, --seed, -q stay out of a plot's)
+        flags = set(vars(parser.parse_args(argv))) - set(vars(parser.parse_args(["rl"]))) | {"root"}
+        assert flags <= set(seen[name]), (name, flags - set(seen[name]))

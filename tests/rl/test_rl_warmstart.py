@@ -62,3 +62,18 @@ def test_short_prompt_curriculum_switches_pools():
     tr = [{"role": "system", "content": "tools"}, {"role": "user", "content": "task"},
           {"role": "assistant", "content": "call"}]
     assert without_system_prompt(tr) == tr[1:]
+
+
+def test_a_context_too_short_for_every_demonstration_says_to_raise_it(tmp_path, rl_tokenizer):
+    """Not "no demonstrations; collect some first": there are some, and --max-context leaves them all out."""
+    from k3.config import get_config
+    from k3.distill.loop import LoopConfig
+    from k3.model.transformer import K3Model
+    from k3.rl.train import run_warmstart
+    transcript = [{"role": "system", "content": "You have a shell."}, {"role": "user", "content": "Compute 12 * 34."},
+                  {"role": "assistant", "content": "exit code: 0\n408\n"}]
+    model = K3Model(get_config("tiny", n_layers=2, vocab_size=rl_tokenizer.vocab_size, max_context=8))
+    with pytest.raises(ValueError, match=r"all 2 demonstrations are longer than the model's max_context \(8 tokens\); "
+                                         r"raise --max-context to at least \d+"):
+        run_warmstart(model, rl_tokenizer, [{"transcript": transcript}] * 2, LoopConfig(steps=1), tmp_path / "w")
+    assert not (tmp_path / "w").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,6 +36,44 @@ def _parse_cells(text: str | None):
     return tuple(parse_cell(c.strip()) for c in text.split(",") if c.strip())
 
 
+def _at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
+    """Each integer --flag given is >= low, else a ValueError naming it (before any work is done)."""
+    for flag in flags:
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v is not None and v < low:
+            raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
+
+
+def _check_rate(flag: str, value: float | None) -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{flag} {value} must be a positive number")
+
+
+def _check_temperature(value: float, greedy_ok: bool) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not greedy_ok):
+        raise ValueError(f"--temperature {value} must be a finite number " + (">= 0 (0: greedy)" if greedy_ok else
+                         "> 0 (the student samples on-policy)"))
+
+
+def _check_out_file(flag: str, path) -> None:
+    """An output file given as an existing directory is refused before the work that would write it."""
+    if path is not None and Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+
+
+def _check_resume_overwrite(args: argparse.Namespace) -> None:
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run and --overwrite starts it over; give one")
+
+
+def _run_metrics(flag: str, run) -> Path:
+    """RUN/metrics.jsonl of a `k3 distill mopd` run named by --flag RUN, which must exist."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{flag} {run}: no {path}; give the --out directory of a `k3 distill mopd` run")
+    return path
+
+
 class _Bar:
     """A tqdm bar over optimizer steps fed by the loop's records; eval records become lines."""
 
@@ -63,16 +102,34 @@ class _Bar:
             self.bar.close()
 
 
-def _load_model(path, tokenizer, what: str):
-    """(model, manifest) of a run dir (holding checkpoint/) or a checkpoint dir, checked against the tokenizer."""
+def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenizer_flag: str | None = None):
+    """(model, manifest) of a run dir (holding checkpoint/) or a checkpoint dir, checked against the tokenizer.
+    `missing`: what to do when PATH holds no checkpoint (default: give another path). `tokenizer_flag`: the flag
+    that named the tokenizer, for a model used on its own (no teacher to share it with)."""
     from k3.distill.mopd import check_same_tokenizer
     from k3.train.trainer import load_trained_model
 
     path = Path(path)
     if (path / "checkpoint").is_dir():
         path = path / "checkpoint"
-    model, manifest = load_trained_model(path)
-    check_same_tokenizer(what, path, manifest, tokenizer.fingerprint, tokenizer.vocab_size)
+    fix = missing or "give a run directory (holding checkpoint/) or a checkpoint"
+    if not path.exists():
+        raise ValueError(f"{what} {path} does not exist; {fix}")
+    try:
+        model, manifest = load_trained_model(path)
+    except ValueError as e:
+        if not str(e).startswith("no checkpoint at"):
+            raise
+        raise ValueError(f"{what}: no checkpoint at {path}; {fix}") from None
+    if tokenizer_flag is None:
+        check_same_tokenizer(what, path, manifest, tokenizer.fingerprint, tokenizer.vocab_size)
+        return model, manifest
+    got = manifest.get("extra", {}).get("tokenizer_sha256")
+    if got != tokenizer.fingerprint or manifest.get("config", {}).get("vocab_size") != tokenizer.vocab_size:
+        trained = f"tokenizer sha256 {got[:12]}..." if got else "a tokenizer it does not record"
+        raise ValueError(f"{what} {path} was trained with {trained}, not the one of {tokenizer_flag} (sha256 "
+                         f"{tokenizer.fingerprint[:12]}...); pass the tokenizer it was trained with (--teachers DIR "
+                         "of its teacher matrix, or --tokenizer PATH)")
     return model, manifest
 
 
@@ -81,7 +138,13 @@ def _teachers_tokenizer(teachers_dir):
     from k3.distill.mopd import read_teachers_file
 
     info = read_teachers_file(teachers_dir)
-    tok = load_tokenizer(Path(teachers_dir) / info["tokenizer"])
+    tok_path = Path(teachers_dir) / info["tokenizer"]
+    try:
+        tok = load_tokenizer(tok_path)
+    except ValueError:
+        problem = "is not a valid k3 tokenizer" if tok_path.exists() else "does not exist"
+        raise ValueError(f"the teachers' tokenizer {tok_path} {problem}; restore it or rebuild the teachers with "
+                         f"`k3 distill teachers --out {teachers_dir} --overwrite`") from None
     if tok.fingerprint != info["tokenizer_sha256"]:
         raise ValueError(f"{Path(teachers_dir) / info['tokenizer']} changed since the teachers were trained (sha256 "
                          "differs from teachers.json); restore it or retrain with `k3 distill teachers --overwrite`")
@@ -95,18 +158,25 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     from k3.data.tokenizer import load_tokenizer, train_tokenizer
     from k3.distill.domains import CELLS, cell_name, make_domains, problem_rng, sft_example, tokenizer_texts
     from k3.distill.loop import LoopConfig
-    from k3.distill.mopd import TEACHERS_FILE, TEACHERS_FORMAT
+    from k3.distill.mopd import TEACHERS_FILE, TEACHERS_FORMAT, read_teachers_file
     from k3.distill.sft import run_sft
     from k3.fileio import atomic_write_json
     from k3.model.transformer import K3Model
     from k3.train import checkpoint as ckpt
     from k3.train.cli import set_threads
 
+    _check_resume_overwrite(args)
+    _at_least(args, 1, "--base-steps", "--steps", "--batch-size", "--max-context")
+    _at_least(args, 0, "--warmup-steps", "--ckpt-every")
+    _check_rate("--lr", args.lr)
+    _check_rate("--teacher-lr", args.teacher_lr)
+    config = config_from_args(args)
+    config.replace(max_context=args.max_context)  # a bad --set or --max-context before the tokenizer is trained
     set_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     budgets = _parse_budgets(args.budgets)
     cells = _parse_cells(args.cells)
+    out.mkdir(parents=True, exist_ok=True)
     domains = make_domains()
     from k3.data.tokenizer import SETTINGS_FILE, record_tokenizer_settings, reuse_built_tokenizer
 
@@ -128,13 +198,12 @@ def cmd_teachers(args: argparse.Namespace) -> int:
                               allow_short=True)
         record_tokenizer_settings(tok_path, want)
         print(f"tokenizer  {tok_path} ({tok.vocab_size} tokens, trained on the three domains)")
-    config = config_from_args(args)
     if any(s.startswith("vocab_size=") for s in args.set) and config.vocab_size != tok.vocab_size:
         raise ValueError(f"--set vocab_size={config.vocab_size} differs from the tokenizer's {tok.vocab_size}; drop it")
     config = config.replace(vocab_size=tok.vocab_size, max_context=args.max_context)
     extra = {"tokenizer_sha256": tok.fingerprint, "budgets": budgets}
     info_path = out / TEACHERS_FILE
-    info = json.loads(info_path.read_text()) if info_path.is_file() and not args.overwrite else {}
+    info = read_teachers_file(out) if info_path.is_file() and not args.overwrite else {}
     if info and info.get("tokenizer_sha256") != tok.fingerprint:
         raise ValueError(f"{info_path} was made with another tokenizer; pass --overwrite or another --out")
     if info and info.get("budgets") != budgets:
@@ -269,6 +338,12 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     from k3.train.cli import set_threads
     from k3.train.metrics import read_metrics
 
+    _check_resume_overwrite(args)
+    _check_temperature(args.temperature, greedy_ok=False)
+    _at_least(args, 0, "--eval-n")
+    if args.match_tokens and args.token_budget is not None:
+        raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
+    match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
     mc = MOPDConfig(mode=args.mode, kl=args.kl, per_cell=args.per_cell, cells=_parse_cells(args.cells),
@@ -276,10 +351,8 @@ def cmd_mopd(args: argparse.Namespace) -> int:
                     reward_coef=args.reward_coef, budgets=dict(info["budgets"]), eval_n=args.eval_n,
                     eval_seed=args.eval_seed).validate()
     token_budget = args.token_budget
-    if args.match_tokens and token_budget is not None:
-        raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
-    if args.match_tokens:
-        recs = [r for r in read_metrics(Path(args.match_tokens) / "metrics.jsonl") if r.get("kind") == "train"]
+    if match_metrics is not None:
+        recs = [r for r in read_metrics(match_metrics) if r.get("kind") == "train"]
         if not recs:
             raise ValueError(f"--match-tokens {args.match_tokens}: its metrics.jsonl has no training records")
         token_budget = int(recs[-1]["tokens"])
@@ -287,7 +360,8 @@ def cmd_mopd(args: argparse.Namespace) -> int:
                     seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                     token_budget=token_budget, keep_last=2).validate()
     student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
-    student, _ = _load_model(student_path, tok, "student")
+    student, _ = _load_model(student_path, tok, "student", None if args.student else "retrain the teachers' shared "
+                             f"base with `k3 distill teachers --out {args.teachers}`, or pass --student RUN_DIR")
     teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, args.single_teacher, mc.cells)
     out = Path(args.out)
     domains = make_domains()
@@ -340,6 +414,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.plot and not args.gap_run:
         raise ValueError("--plot names the gap plot of --gap-run RUN_DIR; give --gap-run too")
+    _at_least(args, 1, "--n")
+    for flag, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)):
+        _check_out_file(flag, path)
+    gap_metrics = _run_metrics("--gap-run", args.gap_run) if args.gap_run else None
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
     budgets = info["budgets"]
@@ -352,7 +430,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not sep or not name or not path:
             raise ValueError(f"--model {item!r}: expected NAME=PATH (a run directory or checkpoint)")
         named.append((name, Path(path)))
-    models = {name: _load_model(path, tok, f"model {name}")[0] for name, path in named}
+    fixes = {} if args.no_base else {0: "retrain the teachers' shared base with `k3 distill teachers --out "
+                                         f"{args.teachers}`, or pass --no-base"}
+    models = {name: _load_model(path, tok, f"model {name}", fixes.get(i))[0] for i, (name, path) in enumerate(named)}
     cells = _parse_cells(args.cells)
     teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, cells=cells)
     problems = {c: ps for c, ps in eval_problems(domains, args.n, args.seed).items() if c in cells}
@@ -373,7 +453,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           "cells": [cell_name(*c) for c in problems]}
     report["details"] = {"teacher": teacher_res, **results}
     if args.gap_run:
-        recs = read_metrics(Path(args.gap_run) / "metrics.jsonl")
+        recs = read_metrics(gap_metrics)
         report["gap_plot"] = str(plot_gaps(recs, args.plot or Path(args.gap_run) / "gap.png"))
     if args.out:
         atomic_write_json(args.out, report)
@@ -397,6 +477,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3.distill.effort import THINKING_BUDGETS, prompt_from_text, split_completion
     from k3.distill.rollout import sample
 
+    _check_temperature(args.temperature, greedy_ok=True)
+    _at_least(args, 1, "--max-answer-tokens")
+    if args.teachers and args.tokenizer:
+        raise ValueError("--teachers DIR brings its own tokenizer; give --teachers or --tokenizer, not both")
     if args.teachers:
         info, tok = _teachers_tokenizer(args.teachers)
         budgets = info["budgets"]
@@ -405,7 +489,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         raise ValueError("pass --teachers DIR (its tokenizer and budgets) or --tokenizer PATH")
     ids, effort = prompt_from_text(args.prompt, tok)
-    model, _ = _load_model(args.model, tok, "model")
+    source = f"--teachers {args.teachers}" if args.teachers else f"--tokenizer {args.tokenizer}"
+    model, _ = _load_model(args.model, tok, "model", tokenizer_flag=source)
     ro = sample(model, [ids], [budgets[effort]], args.max_answer_tokens, args.temperature,
                 torch.Generator().manual_seed(args.seed))
     reasoning, answer, closed = split_completion(ro.completion(0))

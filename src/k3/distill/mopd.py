@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,12 +175,35 @@ def read_teachers_file(teachers_dir: str | os.PathLike) -> dict:
     path = Path(teachers_dir) / TEACHERS_FILE
     if not path.is_file():
         raise ValueError(f"{path} not found; train the teacher matrix with `k3 distill teachers --out {teachers_dir}`")
+    rebuild = f"rebuild it with `k3 distill teachers --out {teachers_dir} --overwrite`"
     try:
         info = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); rerun `k3 distill teachers`") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {rebuild}") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path} holds a JSON {type(info).__name__}, not the object `k3 distill teachers` writes; "
+                         f"{rebuild}")
     if info.get("format") != TEACHERS_FORMAT:
-        raise ValueError(f"{path}: format is {info.get('format')!r}, expected {TEACHERS_FORMAT!r}")
+        raise ValueError(f"{path}: format is {info.get('format')!r}, expected {TEACHERS_FORMAT!r}; {rebuild}")
+    def bad(key: str, expected: str) -> ValueError:
+        have = f"has no {key!r}" if key not in info else f"has {key!r} = {info[key]!r}"
+        return ValueError(f"{path} {have} (expected {expected}); {rebuild}")
+
+    for key, expected in (("tokenizer", "a file name"), ("tokenizer_sha256", "a sha256"), ("base", "a directory name")):
+        if not isinstance(info.get(key), str) or not info[key]:
+            raise bad(key, expected)
+    try:
+        info["budgets"] = check_budgets(info["budgets"] if isinstance(info.get("budgets"), dict) else {})
+    except ValueError:
+        raise bad("budgets", "the thinking budgets, e.g. {'low': 8, 'medium': 16, 'high': 32}") from None
+    teachers = info.get("teachers")
+    if not isinstance(teachers, dict) or not all(isinstance(v, str) and v for v in teachers.values()):
+        raise bad("teachers", "{cell: teacher directory}, e.g. {'arith/low': 'arith-low'}")
+    for cell in teachers:
+        try:
+            parse_cell(cell)
+        except ValueError as e:
+            raise ValueError(f"{path} lists a teacher for {cell!r}, not a cell ({e}); {rebuild}") from None
     return info
 
 
@@ -220,6 +244,9 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
                              f"`k3 distill teachers --out {teachers_dir} --cells {src}`")
         if src not in loaded:
             path = Path(teachers_dir) / listed[src] / "checkpoint"
+            if not path.is_dir():
+                raise ValueError(f"teacher {src}: {path} does not exist; retrain it with "
+                                 f"`k3 distill teachers --out {teachers_dir} --cells {src}`")
             model, manifest = load_trained_model(path)
             check_same_tokenizer(f"teacher {src}", path, manifest, tokenizer_sha256, vocab_size)
             loaded[src], ident[src] = model, {"source": src, **checkpoint_identity(manifest)}
@@ -262,8 +289,8 @@ class MOPDConfig:
         self.cells = tuple(tuple(c) for c in self.cells)
         for c in self.cells:
             parse_cell(cell_name(*c))
-        if not self.temperature > 0:
-            raise ValueError(f"temperature = {self.temperature} must be > 0 for on-policy sampling")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature = {self.temperature} must be a number > 0 for on-policy sampling")
         if self.kl == "sampled" and self.mode == "on-policy" and self.temperature != 1.0:
             raise ValueError(f"kl = sampled with temperature = {self.temperature}: the sampled reverse-KL gradient is "
                              "unbiased only for samples from the student itself (temperature 1); use temperature 1 "

@@ -10,6 +10,7 @@ An experiment lives in one root directory:
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,62 @@ class _Bar:
 _JSON_HELP = "print the result as indented JSON (without it: the same JSON on one line)"
 
 
+# ---------------------------------------------------------------------------------------------- flag checks
+# run before any work (collecting demonstrations, building the tokenizer, loading models), each naming its flag
+def _at_least(args, low: int, *flags: str) -> None:
+    """Each integer --flag given is >= low."""
+    for flag in flags:
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v is not None and v < low:
+            raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
+
+
+def _check_run_flags(args) -> None:
+    """The flags `_common` adds (warm start and GRPO)."""
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run and --overwrite starts it over; give one")
+    _at_least(args, 1, "--steps", "--keep-last")
+    _at_least(args, 0, "--warmup", "--ckpt-every")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr {args.lr} must be a positive number")
+    if not 0 <= args.decay_frac <= 1:
+        raise ValueError(f"--decay-frac {args.decay_frac} must be a fraction of the steps, in [0, 1]")
+    if not (args.grad_clip >= 0 and math.isfinite(args.grad_clip)):
+        raise ValueError(f"--grad-clip {args.grad_clip} must be a number >= 0 (0: no clipping)")
+
+
+def _check_name(flag: str, name: str) -> None:
+    """A stage or run name is one directory under --root, never a path out of it."""
+    if not name or name in (".", "..") or "/" in name:
+        raise ValueError(f"{flag} {name!r} must be a plain directory name under --root (no '/', not '.' or '..'), "
+                         "e.g. swap")
+
+
+def _names(flag: str, text: str) -> list[str]:
+    """The names of a comma-separated flag, at least one."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{flag} {text!r} names nothing; give at least one (comma-separated)")
+    return names
+
+
+def _check_out_file(flag: str, path) -> None:
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+
+
+def _check_fresh(run: Path, args, other: str) -> None:
+    """A run directory that holds a checkpoint is continued (--resume) or replaced (--overwrite), never both or
+    neither; `other` is the flag that picks another directory."""
+    from k3.train import checkpoint as ckpt
+    held = ckpt.latest_checkpoint(run / "checkpoint") is not None
+    if args.resume and not held:
+        raise ValueError(f"--resume: no checkpoint in {run / 'checkpoint'}; run without --resume to start")
+    if not args.resume and not args.overwrite and held:
+        raise ValueError(f"{run} already holds a checkpoint; pass --resume to continue it, --overwrite to start over, "
+                         f"or {other}")
+
+
 def _loop_config(args, **defaults):
     from k3.distill.loop import LoopConfig
     return LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac,
@@ -69,6 +126,14 @@ def _load(root: Path, name: str, tokenizer):
     return model, manifest
 
 
+def _check_models(root: Path, names: list[str]) -> None:
+    """Every model named exists before the first is evaluated (a typo is not found after minutes of work)."""
+    missing = [n for n in names if not (root / n / "checkpoint").is_dir()]
+    if missing:
+        raise ValueError(f"no checkpoint for {', '.join(missing)} under {root}; train them first (k3 rl warmstart / "
+                         f"k3 rl train --name NAME), or name other --models")
+
+
 def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer):
     """ROOT/tokenizer.json, built once per experiment from the demonstrations. Reused when the flags that made it
     (recorded beside it) are the same; a different --vocab-size, --tokenizer-prompts or demonstration set is
@@ -89,10 +154,20 @@ def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer):
 
 # ---------------------------------------------------------------------------------------------- commands
 def cmd_warmstart(args) -> dict:
+    from k3.config import PRESETS, get_config
     from k3.rl.train import demo_pool, make_tokenizer, new_model, run_warmstart
     from k3.train.cli import set_threads
+    _check_run_flags(args)
+    _at_least(args, 1, "--workers", "--batch", "--tasks-per-kind", "--demos-per-task", "--n-layers", "--max-context")
+    _at_least(args, 0, "--tokenizer-prompts", "--short-prompt-steps")
+    if args.preset not in PRESETS:
+        raise ValueError(f"--preset {args.preset!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}")
+    overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
+    get_config(args.preset, max_context=args.max_context, **overrides)  # the model's settings, before any work
+    lcfg = _loop_config(args)
     set_threads(args.threads)
     root = Path(args.root)
+    _check_fresh(root / "warmstart", args, "another --root")
     t0 = time.perf_counter()
     demos = demo_pool(root, args.tasks_per_kind, args.demos_per_task, args.seed, workers=args.workers,
                       harness=args.demo_harness)
@@ -101,11 +176,10 @@ def cmd_warmstart(args) -> dict:
     tok = _warmstart_tokenizer(root, demos, args, make_tokenizer)
     print(f"{len(demos)} demonstrations, tokenizer {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)",
           file=sys.stderr)
-    overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
     model = new_model(args.preset, tok, args.max_context, args.seed, **overrides)
     bar = _Bar(args.steps, "warm start", ("loss",), not args.quiet)
     try:
-        records = run_warmstart(model, tok, demos, _loop_config(args), root / "warmstart", batch_size=args.batch,
+        records = run_warmstart(model, tok, demos, lcfg, root / "warmstart", batch_size=args.batch,
                                 context_loss_weight=args.context_loss_weight,
                                 short_prompt_steps=args.short_prompt_steps, resume=args.resume,
                                 overwrite=args.overwrite, on_record=bar)
@@ -129,10 +203,18 @@ def cmd_train(args) -> dict:
     from k3.rl.family import build_tasks
     from k3.rl.train import run_grpo
     from k3.train.cli import set_threads
+    _check_run_flags(args)
+    _check_name("--name", args.name)
+    _check_name("--init", args.init)
+    if args.init == args.name:
+        raise ValueError(f"--init {args.init} and --name {args.name} are the same run: pass --resume (with the --init "
+                         "it started from) to continue it, or another --name to train a new run from it")
+    _at_least(args, 1, "--tasks-per-kind")
     set_threads(args.threads)
     root = Path(args.root)
     gcfg = _grpo_config(args)
     lcfg = _loop_config(args)
+    _check_fresh(root / args.name, args, "another --name")
     tok = _tokenizer(root)
     model, manifest = _load(root, args.init, tok)
     ref = None
@@ -155,15 +237,21 @@ def cmd_train(args) -> dict:
 
 def cmd_eval(args) -> dict:
     from k3.rl.family import build_tasks
+    from k3.rl.harness import episode_config
     from k3.rl.train import evaluate, wilson, write_json
     from k3.train.cli import set_threads
-    set_threads(args.threads)
+    names, harnesses = _names("--models", args.models), _names("--harness", args.harness)
+    for h in harnesses:
+        episode_config(h, args.fixed_dialect)  # an unknown harness or dialect, before any model is evaluated
+    _at_least(args, 1, "--n-per-kind", "--variants", "--max-tokens")
     root = Path(args.root)
+    out = Path(args.out) if args.out else root / "eval.json"
+    _check_out_file("--out", out)
+    set_threads(args.threads)
     tok = _tokenizer(root)
+    _check_models(root, names)
     held = build_tasks(root / "tasks", "heldout", args.n_per_kind)
-    harnesses = [h.strip() for h in args.harness.split(",") if h.strip()]
     report = {"tasks": len(held), "variants": args.variants, "harnesses": harnesses, "models": {}}
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
     for name in names:
         model, manifest = _load(root, name, tok)
         entry = {"step": manifest["step"]}
@@ -180,7 +268,7 @@ def cmd_eval(args) -> dict:
             print(f"{name:12s} {h:7s} success {a['success'] if a['success'] is not None else float('nan'):.3f} "
                   f"({k}/{a['usable']}, 95% CI {entry[h]['ci95'][0]:.2f}-{entry[h]['ci95'][1]:.2f})", file=sys.stderr)
         report["models"][name] = entry
-    write_json(args.out or root / "eval.json", report)
+    write_json(out, report)
     return report
 
 
@@ -189,9 +277,14 @@ def cmd_intent(args) -> dict:
     import random
     from k3.rl.train import command_choice, write_json
     from k3.train.cli import set_threads
-    set_threads(args.threads)
+    names = _names("--models", args.models)
+    _at_least(args, 1, "--n")
     root = Path(args.root)
+    out = Path(args.out) if args.out else root / "intent.json"
+    _check_out_file("--out", out)
+    set_threads(args.threads)
     tok = _tokenizer(root)
+    _check_models(root, names)
     path = root / "demos.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist; run `k3 rl warmstart --root {root}` first")
@@ -203,18 +296,18 @@ def cmd_intent(args) -> dict:
     if not demos:
         raise ValueError(f"no demonstrations{' in dialect ' + args.dialect if args.dialect else ''} under {root}")
     report = {"demos": len(demos), "dialect": args.dialect, "models": {}}
-    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+    for name in names:
         model, manifest = _load(root, name, tok)
         report["models"][name] = {"step": manifest["step"], **command_choice(model, tok, demos)}
         rows = report["models"][name]["p"]
         print(f"{name:12s} step {manifest['step']:5d} " + "  ".join(
             f"{k}: " + "/".join(f"{rows[k][c]:.2f}" for c in rows[k]) for k in rows), file=sys.stderr)
-    write_json(args.out or root / "intent.json", report)
+    write_json(out, report)
     return report
 
 
 def cmd_plot(args) -> dict:
-    from k3.rl.plots import plot_rewards
+    from k3.rl.plots import plot_rewards, read_eval_report
     root = Path(args.root)
     runs = {n.strip(): root / n.strip() / "metrics.jsonl" for n in args.runs.split(",") if n.strip()}
     missing = [name for name, path in runs.items() if not path.is_file()]
@@ -224,8 +317,10 @@ def cmd_plot(args) -> dict:
     eval_path = Path(args.eval) if getattr(args, "eval", None) else root / "eval.json"
     if getattr(args, "eval", None) and not eval_path.is_file():
         raise ValueError(f"{eval_path} does not exist; write it with `k3 rl eval --out {eval_path}`")
-    path = plot_rewards(runs, Path(args.out) if args.out else root / "reward.png",
-                        eval_path=eval_path if eval_path.is_file() else None)
+    out = Path(args.out) if args.out else root / "reward.png"
+    _check_out_file("--out", out)
+    report = read_eval_report(eval_path) if eval_path.is_file() else None
+    path = plot_rewards(runs, out, report=report)
     return {"plot": str(path)}
 
 
@@ -257,7 +352,7 @@ def cmd_demo(args) -> dict:
                                tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"], groups=DEMO["groups"],
                                group_size=DEMO["group_size"], temperature=1.0, updates_per_batch=1, eps_low=0.2,
                                eps_high=0.28, beta=0.04, agg="sequence", no_std=False, lr=3e-4, warmup=2,
-                               decay_frac=0.0, ckpt_every=DEMO["grpo_steps"] // 2)
+                               decay_frac=0.0, ckpt_every=DEMO["grpo_steps"] // 2, micro_batch=0)
     out["grpo"] = cmd_train(train)
     ev = argparse.Namespace(**common, models="warmstart,grpo", harness="canonical,unseen",
                             n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)

@@ -21,11 +21,44 @@ def reward_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
     return [r["step"] for r in recs], [r["reward_mean"] for r in recs]
 
 
+def _drawable(e) -> bool:
+    """An entry of an eval report the success panel can draw: none or a success of None (no bar), or a success
+    with its 95% interval."""
+    if e is None or (isinstance(e, dict) and "success" in e and e["success"] is None):
+        return True
+    ci = e.get("ci95") if isinstance(e, dict) else None
+    return (isinstance(e, dict) and isinstance(e.get("success"), (int, float)) and isinstance(ci, list)
+            and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci))
+
+
+def read_eval_report(path: str | os.PathLike) -> dict:
+    """A `k3 rl eval` report (ROOT/eval.json), checked to hold what the success panel draws."""
+    path = Path(path)
+    fix = f"write it with `k3 rl eval --out {path}`"
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e}); {fix}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("models"), dict):
+        raise ValueError(f"{path} is not a `k3 rl eval` report (no 'models'); {fix}")
+    harnesses = report.get("harnesses")
+    if not isinstance(harnesses, list) or not all(isinstance(h, str) for h in harnesses):
+        raise ValueError(f"{path} is not a `k3 rl eval` report (no 'harnesses' list); {fix}")
+    if not report["models"] or not harnesses:
+        raise ValueError(f"{path} evaluates no model or no harness; {fix} and at least one --models and --harness")
+    for m, entry in report["models"].items():
+        if not isinstance(entry, dict) or not all(_drawable(entry.get(h)) for h in harnesses):
+            raise ValueError(f"{path} is not a `k3 rl eval` report (model {m!r} lacks a success and ci95 per "
+                             f"harness); {fix}")
+    return report
+
+
 def plot_rewards(runs: dict[str, str | os.PathLike], out: str | os.PathLike,
-                 eval_path: str | os.PathLike | None = None) -> Path:
-    """Left: reward per step (raw, EMA) for each run. Right (with an eval report): held-out success with
-    95% intervals per model, under each evaluated harness."""
-    report = json.loads(Path(eval_path).read_text()) if eval_path else None
+                 eval_path: str | os.PathLike | None = None, report: dict | None = None) -> Path:
+    """Left: reward per step (raw, EMA) for each run. Right (with an eval report, read from `eval_path` or
+    given as `report`): held-out success with 95% intervals per model, under each evaluated harness."""
+    if report is None and eval_path:
+        report = read_eval_report(eval_path)
     fig, axes = plt.subplots(1, 2 if report else 1, figsize=(12 if report else 7, 4), layout="constrained",
                              squeeze=False)
     ax = axes[0][0]

@@ -137,13 +137,18 @@ def without_system_prompt(transcript: Sequence[dict]) -> list[dict]:
 def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, out_dir, *, batch_size: int = 8,
                   context_loss_weight: float = 0.0, short_prompt_steps: int = 0, resume: bool = False,
                   overwrite: bool = False, on_record=None) -> list[dict]:
-    examples, short = [], []
+    examples, short, shortest = [], [], None
     for r in demos:
         ids, mask = episode_tokens(r["transcript"], tokenizer)
+        shortest = len(ids) if shortest is None else min(shortest, len(ids))
         if len(ids) <= model.config.max_context:
             examples.append((ids, mask))
             if short_prompt_steps:
                 short.append(episode_tokens(without_system_prompt(r["transcript"]), tokenizer))
+    if demos and not examples:
+        raise ValueError(f"all {len(demos)} demonstrations are longer than the model's max_context "
+                         f"({model.config.max_context} tokens); raise --max-context to at least {shortest} (the "
+                         "shortest demonstration)")
     if len(examples) < len(demos):
         log.warning("%d demonstrations longer than the context were left out", len(demos) - len(examples))
     loop = StepLoop(model, config, out_dir, {"kind": "rl-warmstart", "tokenizer_sha256": tokenizer.fingerprint},
