@@ -116,6 +116,20 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     assert (out / ".k3-demo").is_file()
 
 
+def test_demo_checks_sample_tokens_before_training(tiny_data_dir, tmp_path, capsys):
+    """--sample-tokens that leaves no room for the sample prompts is refused before any training step."""
+    from k3.config import get_config
+
+    ctx = get_config("tiny").max_context
+    for n, want in [(0, "--sample-tokens 0 must be >= 1"), (ctx, "leaves no room"), (ctx - 2, "longest sample prompt")]:
+        out = tmp_path / f"demo{n}"
+        rc = main(["demo", "--preset", "tiny", "--data", str(tiny_data_dir), "--max-bytes", "300000", "--out",
+                   str(out), "--minutes", "0.15", "--batch-size", "2", "--seq-len", "16", "--sample-tokens", str(n)])
+        err = capsys.readouterr().err
+        assert rc == 2 and want in err, err[-500:]
+        assert not (out / "metrics.jsonl").exists()  # nothing trained
+
+
 def test_demo_refuses_directories_that_hold_something_else(tiny_data_dir, tmp_path, capsys):
     demo = ["demo", "--preset", "tiny", "--max-bytes", "300000", "--minutes", "0.1", "--batch-size", "2",
             "--seq-len", "16", "--eval-batches", "2"]

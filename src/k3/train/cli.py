@@ -148,7 +148,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                       data_info=_data_info(files), overwrite=args.overwrite)
     progress = Progress(trainer, desc=f"train {config.name}", enabled=not args.quiet)
     try:
-        result = trainer.fit(resume=args.resume, on_step=progress.on_step, on_eval=progress.on_eval)
+        result = trainer.fit(resume=args.resume, on_step=progress.on_step, on_eval=progress.on_eval,
+                             graceful_interrupt=True)
     finally:
         progress.close()
     plots = plot_all(args.out)
@@ -312,6 +313,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"{e} (in k3 demo the vocabulary is the config's: --set vocab_size=N; the text is "
                          "capped by --max-bytes)") from None
     bpt = _bytes_per_token(files.val)
+    longest = max(len(files.tokenizer.encode(p, allow_special=False)) if p else 1 for p in DEMO_PROMPTS)
+    if longest + args.sample_tokens > config.max_context:  # known now, before training, not after it
+        raise ValueError(f"--sample-tokens {args.sample_tokens} plus the longest sample prompt ({longest} tokens) "
+                         f"exceeds max_context = {config.max_context}; give --sample-tokens "
+                         f"{config.max_context - longest} or fewer")
 
     # the unigram baseline on exactly the validation targets the model is scored on
     targets = [y for _, y in eval_batches(files.val, args.batch_size, args.seq_len, args.eval_batches)]
@@ -332,7 +338,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"{tc.optimizer}, lr {tc.lr}, {threads} CPU thread(s)", file=sys.stderr)
     progress = Progress(trainer, desc=f"demo {config.name}", enabled=True)
     try:
-        result = trainer.fit(on_step=progress.on_step, on_eval=progress.on_eval)
+        result = trainer.fit(on_step=progress.on_step, on_eval=progress.on_eval, graceful_interrupt=True)
     finally:
         progress.close()
     if result.interrupted:  # the checkpoint is saved; samples, plots and the summary are skipped

@@ -298,7 +298,6 @@ def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None
         yield split_batch(dataset.get_batch(i, batch_size, seq_len, seed))
 
 
-@torch.no_grad()
 def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | None = None) -> int | None:
     """How many batches `eval_batches` yields for these arguments (None where the dataset cannot say)."""
     tokens = getattr(dataset, "tokens", None)
@@ -310,6 +309,7 @@ def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | 
     return max_batches
 
 
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: int, seq_len: int, seed: int = 0,
              device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None) -> float:
     """Mean cross-entropy (nats / token) over `batches` validation batches spread evenly over the split (None:
@@ -321,7 +321,7 @@ def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: i
     try:
         for x, y in eval_batches(dataset, batch_size, seq_len, batches, seed):
             x, y = x.to(device), y.to(device)
-            with _autocast(device), torch.no_grad():  # no graph: an evaluation needs no gradients
+            with _autocast(device):
                 logits = model(x)
             total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                            reduction="sum"))
@@ -573,8 +573,12 @@ class Trainer:
         return rec
 
     def fit(self, resume: bool | str = False, on_step: Callable[[dict], None] | None = None,
-            on_eval: Callable[[dict], None] | None = None) -> TrainResult:
-        """Train until `steps` (or the time budget); evaluate and checkpoint periodically and at the end."""
+            on_eval: Callable[[dict], None] | None = None, graceful_interrupt: bool = False) -> TrainResult:
+        """Train until `steps` (or the time budget); evaluate and checkpoint periodically and at the end.
+
+        `graceful_interrupt` (the `k3 train` and `k3 demo` commands): the first Ctrl-C ends the run after the step
+        in progress, saves it and returns with `interrupted` set; the caller must then stop, since the run did not
+        finish. Without it, Ctrl-C raises KeyboardInterrupt as usual."""
         tc = self.tc
         if resume:
             self.resume(None if resume is True else resume)
@@ -602,7 +606,7 @@ class Trainer:
             if cb is not None:
                 cb(rec)
 
-        interrupt = _GracefulInterrupt(self.ckpt_dir is not None)
+        interrupt = _GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
         try:
             if tc.eval_at_start and self.step == 0:
                 v = self.run_eval()
