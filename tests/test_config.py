@@ -151,3 +151,26 @@ def test_a_partial_config_file_is_laid_over_the_preset(tmp_path, capsys):
     assert main(["config", "--preset", "mini", "--config", str(tmp_path / "old.json")]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["d_model"] == get_config("tiny").d_model and got["kda_norm_eps"] == old["norm_eps"]
+
+
+def test_config_file_that_is_missing_or_a_directory(tmp_path, capsys):
+    from k3.cli import main
+
+    missing = tmp_path / "nonexist.json"
+    assert main(["params", "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {missing}: no such file" in err and "Errno" not in err
+    assert main(["params", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {tmp_path}: is a directory" in err and "Errno" not in err
+
+
+def test_params_columns_stay_apart_at_any_width(capsys):
+    from k3.cli import main
+
+    assert main(["params", "--preset", "tiny", "--set", "d_model=1048576", "--set", "moe_latent_dim=524288"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[1:lines.index(next(l for l in lines if l.startswith("all"))) + 1]
+    for line in table:
+        name, total, active = line.split()  # three columns, never run together
+        assert int(total.replace(",", "")) >= int(active.replace(",", "")) > 0, line

@@ -234,3 +234,33 @@ def test_another_vocabulary_gets_a_data_directory_of_its_own(tmp_path, monkeypat
         except Stop:
             pass
         assert seen[-1] == want
+
+
+def test_results_json_is_strict_json_with_one_seed(tmp_path):
+    """One seed gives a CI of [-inf, +inf]: results.json (and --json) hold null there, not `Infinity`."""
+    from k3.ablate.report import json_safe
+
+    one = SMOKE.replace(seeds=(0,))
+    plan = plan_runs(one, ["probe"], {})
+    summary = aggregate(plan, run_plan(plan, tmp_path, None, progress=False))
+    assert any(c["ci95"] == [float("-inf"), float("inf")] for c in summary["probe"]["claims"])
+    paths = write_report(summary, tmp_path, "")
+
+    def strict(constant):
+        raise AssertionError(f"results.json holds {constant}, which is not JSON")
+
+    written = json.loads(paths["json"].read_text(), parse_constant=strict)
+    assert all(c["ci95"] == [None, None] for c in written["probe"]["claims"])
+    assert "CI needs ≥ 2 seeds" in paths["markdown"].read_text()  # the markdown still says why
+    assert json_safe({"a": [1.0, float("nan")], "b": (float("inf"), "x", 2)}) == {"a": [1.0, None], "b": [None, "x", 2]}
+
+
+def test_list_prints_nothing_before_an_error_and_only_must_name_something(tmp_path, capsys):
+    assert main(["ablate", "--list", "--quick", "--set", "attnres=full"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "incompatible combination" in out.err
+    for empty in (",", "", " , "):
+        assert main(["ablate", "--quick", "--only", empty, "--out", str(tmp_path / "o"), "--data",
+                     str(tmp_path / "d"), "-q"]) == 2
+        assert "names no ablation" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

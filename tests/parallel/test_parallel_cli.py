@@ -61,3 +61,49 @@ def test_expert_parallel_flags_are_checked_before_any_process_starts(capsys, mon
     assert "drop --device" in capsys.readouterr().err
     assert main(["mesh", "--preset", "mini", "--nproc", "4", "--ep", "2", "--ep-redundant", "1"]) == 2
     assert "applies to k3 train" in capsys.readouterr().err
+
+
+def test_mesh_errors_name_cli_flags_and_print_nothing_first(capsys):
+    assert main(["mesh", "--preset", "tiny", "--nproc", "16", "--ep", "16"]) == 2
+    out = capsys.readouterr()
+    assert "--ep 16" in out.err and "1, 2, 4, 8" in out.err and "slots_per_rank" not in out.err
+    assert main(["mesh", "--preset", "tiny", "--nproc", "8", "--pp", "8"]) == 2
+    out = capsys.readouterr()
+    assert "cannot split 4 layers" in out.err and out.out == ""  # no partial layout before the error
+
+
+def test_train_checks_data_and_out_before_torchrun(tmp_path, capsys, monkeypatch):
+    """Each rank would print the error and torchrun its ~45-line ChildFailedError after it, exit 1."""
+    import subprocess
+    import sys
+
+    from k3.data import prepare_data
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+
+    def train(*argv):
+        argv = ["train", "--preset", "tiny", "--nproc", "2", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                *argv]
+        monkeypatch.setattr(sys, "argv", ["k3", *argv])  # what the re-launch reads
+        code = main(argv)
+        return code, capsys.readouterr().err
+
+    code, err = train("--data", str(tmp_path / "nonexist"), "--out", str(tmp_path / "o"))
+    assert code == 2 and "--data" in err and "does not exist" in err and "launching" not in err
+    data = tmp_path / "data"
+    prepare_data(data, vocab_size=512, max_bytes=40_000)
+    out = tmp_path / "o"
+    (out / "checkpoint" / "step_000001").mkdir(parents=True)
+    (out / "checkpoint" / "step_000001" / "k3.json").write_text("{}")
+    code, err = train("--set", "vocab_size=512", "--data", str(data), "--out", str(out))
+    assert code == 2 and "already holds a checkpoint" in err and "--overwrite" in err
+    code, err = train("--set", "vocab_size=512", "--data", str(data), "--out", str(tmp_path / "new"), "--resume")
+    assert code == 2 and "no checkpoint found" in err
+    code, err = train("--set", "vocab_size=1024", "--data", str(data), "--out", str(tmp_path / "new"))
+    assert code == 2 and "vocabulary of 512 tokens" in err
+    code, err = train("--set", "vocab_size=512", "--data", str(data), "--out", str(tmp_path / "new"),
+                      "--optimizer", "muon")
+    assert code == 2 and "use --optimizer adamw" in err
+    code, err = train("--set", "vocab_size=512", "--data", str(data), "--out", str(tmp_path / "new"),
+                      "--batch-size", "3")
+    assert code == 2 and "does not split over 2 data-parallel ranks" in err

@@ -61,3 +61,60 @@ def test_min_gpus_names_a_context_past_max_context(capsys):
     assert main(["plan", "--preset", "mini", "--min-gpus"]) == 2  # the default context is 1M; mini's is 4096
     err = capsys.readouterr().err
     assert "exceeds mini's max_context = 4096" in err and "bigger GPUs" not in err
+
+
+def test_hardware_file_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntflops: {bf16: [1\n")
+    code, _, err = _run(capsys, "--hardware", str(bad))
+    assert code == 2 and f"{bad}: not valid YAML (" in err and "Traceback" not in err
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00\x81" * 16)
+    code, _, err = _run(capsys, "--hardware", str(binary))
+    assert code == 2 and f"{binary}: not a text file" in err
+    code, _, err = _run(capsys, "--hardware", str(tmp_path))
+    assert code == 2 and "is a directory" in err and "does not exist" not in err
+
+
+def test_hardware_file_types_are_checked(tmp_path, capsys):
+    import yaml
+
+    from k3.plan.hardware import load_hardware
+
+    from importlib import resources
+
+    base = yaml.safe_load((resources.files("k3.plan") / "hardware" / "h100.yaml").read_text())
+    for field, value, words in (("nvlink_domain", 0.5, "nvlink_domain = 0.5 must be a positive whole number"),
+                                ("nvlink_domain", True, "nvlink_domain = True"),
+                                ("tflops", {"bf16": True}, "tflops.bf16 = True must be a positive number"),
+                                ("memory_gb", True, "memory_gb = True must be a positive number")):
+        path = tmp_path / f"{field}.yaml"
+        path.write_text(yaml.safe_dump({**base, field: value}))
+        code, _, err = _run(capsys, "--hardware", str(path))
+        assert code == 2 and words in err, err
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump({**base, "nvlink_domain": 8.0}))
+    assert load_hardware(str(path)).nvlink_domain == 8
+
+
+def test_min_gpus_refuses_layout_flags_and_train(capsys):
+    code, _, err = _run(capsys, "--min-gpus", "--tp", "8")
+    assert code == 2 and "drop --tp" in err
+    code, _, err = _run(capsys, "--min-gpus", "--pp", "1", "--dp", "2")
+    assert code == 2 and "drop --pp --dp" in err
+    code, _, err = _run(capsys, "--min-gpus", "--train")
+    assert code == 2 and "--min-gpus plans serving; drop --train" in err
+
+
+def test_plot_path_checked_before_planning(tmp_path, capsys, monkeypatch):
+    import k3.plan.walls as walls
+
+    def boom(*a, **k):
+        raise AssertionError("planned before checking --plot")
+
+    monkeypatch.setattr(walls, "plan", boom)
+    code, _, err = _run(capsys, "--plot", str(tmp_path))
+    assert code == 2 and "is a directory" in err and ".tmp" not in err
+    (tmp_path / "f").write_text("")
+    code, _, err = _run(capsys, "--plot", str(tmp_path / "f" / "w.png"))
+    assert code == 2 and "is a file, not a directory" in err

@@ -50,26 +50,29 @@ def cmd_list(scale, names, user_set) -> int:
     from k3.model.accounting import build_meta, count_params
 
     base = scale.base_config(user_set)
+    groups = build_groups(base, names, user_set)  # a bad combination fails before anything is printed
     c = count_params(build_meta(base))
-    print(f"base: {base.name} {base.pattern}, d_model {base.d_model}, {c['total']:,} params ({c['active']:,} active); "
-          f"{scale.steps} steps x {scale.batch_size} x {scale.seq_len} tokens, seeds {list(scale.seeds)}")
-    for g in build_groups(base, names, user_set):
-        print(f"\n{g.name}: {g.title}  (baseline {g.baseline})")
+    lines = [f"base: {base.name} {base.pattern}, d_model {base.d_model}, {c['total']:,} params "
+             f"({c['active']:,} active); {scale.steps} steps x {scale.batch_size} x {scale.seq_len} tokens, "
+             f"seeds {list(scale.seeds)}"]
+    for g in groups:
+        lines.append(f"\n{g.name}: {g.title}  (baseline {g.baseline})")
         for v in g.variants:
             cfg = base.replace(**v.overrides)
             extra = f"PTQ of {v.ptq_of}, " if v.ptq_of else ""
-            print(f"  {v.label:<16} {extra}{v.overrides or '(base config)'}  "
-                  f"active params {count_params(build_meta(cfg))['active']:,}")
+            lines.append(f"  {v.label:<16} {extra}{v.overrides or '(base config)'}  "
+                         f"active params {count_params(build_meta(cfg))['active']:,}")
         for cl in g.claims:
-            print(f"  claim {cl.id}: {cl.text} [{cl.source}]")
+            lines.append(f"  claim {cl.id}: {cl.text} [{cl.source}]")
         if g.name == "precision" and (why := qat_status(base)):
-            print(f"  skipped now: {why}")
+            lines.append(f"  skipped now: {why}")
     if PROBE in names:
         p = scale.probe
-        print(f"\nprobe: needle retrieval, {p.n_keys} needles, train length {p.train_len}, eval lengths "
-              f"{list(p.eval_lengths)}, {p.steps} steps x {p.batch_size}")
+        lines.append(f"\nprobe: needle retrieval, {p.n_keys} needles, train length {p.train_len}, eval lengths "
+                     f"{list(p.eval_lengths)}, {p.steps} steps x {p.batch_size}")
         for cl in PROBE_CLAIMS:
-            print(f"  claim {cl.id}: {cl.text} [{cl.source}]")
+            lines.append(f"  claim {cl.id}: {cl.text} [{cl.source}]")
+    print("\n".join(lines))  # all of it computed first: an error leaves no partial listing on stdout
     return 0
 
 
@@ -78,7 +81,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from k3.ablate.runner import auto_jobs, data_fingerprint, plan_runs, run_plan
     from k3.ablate.suites import PROBE, build_groups, select
 
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if only == []:
+        raise ValueError(f"--only {args.only!r} names no ablation; give a comma-separated subset of the suite, "
+                         "or drop --only to run all of it")
     names = select(args.suite, only)
     user_set = parse_sets(args.set)
     scale = _scale(args)
@@ -121,7 +127,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                        failures=failures)
     wall = time.perf_counter() - t0
 
-    from k3.ablate.report import aggregate
+    from k3.ablate.report import aggregate, json_safe
 
     summary = aggregate(plan, results)
     summary["failed"] = sorted(failures.values(), key=lambda f: f["run"])
@@ -142,7 +148,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
               f"({sum(executed) / 60:.1f} min of run time, cached runs included), {summary['meta']['date']}.\n")
     paths = write_report(summary, out, header)
     if args.json:
-        print(json.dumps(summary, indent=2, default=str))
+        print(json.dumps(json_safe(summary), indent=2, default=str))
     else:
         for name, g in {**summary["groups"], **({PROBE: summary["probe"]} if "probe" in summary else {})}.items():
             if "skipped" in g:

@@ -260,9 +260,21 @@ def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
     return paths
 
 
+def json_safe(obj):
+    """`obj` with every non-finite float (a CI from fewer than 2 seeds is ±inf, a mean of no seeds nan) as None:
+    JSON has no Infinity or NaN, and strict readers reject Python's spelling of them."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_report(summary: dict, out_dir: str | os.PathLike, header: str = "") -> dict:
     out_dir = Path(out_dir)
-    atomic_write_json(out_dir / "results.json", summary)
+    atomic_write_json(out_dir / "results.json", json_safe(summary))
     md = markdown(summary, header)
     atomic_write_text(out_dir / "results.md", md)
     plots = plot_all(summary, out_dir / "plots")

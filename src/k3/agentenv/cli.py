@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 def register(subparsers) -> None:
@@ -16,7 +17,11 @@ def register(subparsers) -> None:
     t.add_argument("--dir", default=None, help="task directory (default: the shipped tasks)")
     t.add_argument("--verify", action="store_true",
                    help="check in the sandbox that each task scores 0 untouched and 1 with its reference solution")
-    t.add_argument("--rebuild", action="store_true", help="regenerate the task directories from taskgen.py")
+    t.add_argument("--rebuild", action="store_true",
+                   help="regenerate the task directories from taskgen.py (a same-named directory is replaced only "
+                        "if a rebuild wrote it and it holds nothing else)")
+    t.add_argument("--force", action="store_true",
+                   help="with --rebuild: replace same-named task directories even if they hold other files")
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_tasks)
@@ -33,9 +38,10 @@ def register(subparsers) -> None:
                    help="longest reply per turn (default 256 for the k3 policy, 2048 for http)")
     r.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (http policy)")
     r.add_argument("--model", default=None, help="model name (http policy)")
-    r.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                   help="environment variable holding the API key (http policy)")
-    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--api-key-env", default=None,
+                   help="environment variable holding the API key (http policy; default OPENAI_API_KEY)")
+    r.add_argument("--temperature", type=float, default=None, help="sampling temperature (http and k3 policies; "
+                                                                 "default 0, greedy)")
     r.add_argument("--episodes", type=int, default=None, help="episodes in all (default: one per task)")
     r.add_argument("--workers", type=int, default=2, help="parallel episodes (local processes or Ray CPUs)")
     r.add_argument("--backend", choices=["process", "ray"], default="process",
@@ -53,17 +59,21 @@ def register(subparsers) -> None:
     rt.add_argument("--json", action="store_true", help="print the full report as JSON")
     rt.add_argument("--quick", action="store_true", help="only the representative subset")
     rt.add_argument("--only", default=None, help="comma-separated attack names")
-    rt.add_argument("--list", action="store_true", help="list the attacks and exit")
+    rt.add_argument("--list", action="store_true",
+                    help="list the attacks (those --quick/--only select; as JSON with --json) and exit")
     rt.set_defaults(func=_redteam)
 
 
 def _tasks(args) -> int:
     from .tasks import load_tasks, tasks_root
+    if args.force and not args.rebuild:
+        raise ValueError("--force only applies to --rebuild; drop it, or add --rebuild")
     if args.rebuild:
         from .taskgen import build_all
         out = args.dir or str(tasks_root())
-        paths = build_all(out)
-        print(f"wrote {len(paths)} tasks to {out}")
+        paths = build_all(out, force=args.force)
+        # with --json, stdout holds only the JSON
+        print(f"wrote {len(paths)} tasks to {out}", file=sys.stderr if args.json else sys.stdout)
     tasks = load_tasks(args.select, args.dir)
     rows = [{"id": t.id, "family": t.family, "checks": len(t.checks), "checksum": t.checksum[:12],
              "title": t.title} for t in tasks]
@@ -96,31 +106,61 @@ def _check(args) -> int:
     return 0
 
 
+# (flag, its value (None when not given), the policies that use it)
+_POLICY_FLAGS = [("--ckpt", lambda a: a.ckpt, ("k3",)), ("--tokenizer", lambda a: a.tokenizer, ("k3",)),
+                 ("--base-url", lambda a: a.base_url, ("http",)), ("--model", lambda a: a.model, ("http",)),
+                 ("--api-key-env", lambda a: a.api_key_env, ("http",)),
+                 ("--temperature", lambda a: a.temperature, ("http", "k3")),
+                 ("--max-tokens", lambda a: a.max_tokens, ("http", "k3"))]
+
+
+def _check_out_file(path: str) -> None:
+    """Before any episode runs: --out names a file that can be written (not a directory, not under a file)."""
+    from pathlib import Path
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--out {path} is a directory; pass a file name such as {p / 'rollouts.jsonl'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {path}: {parent} is a file, not a directory; pass another path")
+            break
+
+
 def _run(args) -> int:
     from .dialects import DIALECTS
+    from .policies import check_base_url, check_temperature
     from .rollout import EpisodeConfig, format_summary, run_rollouts, summarize
     from .sandbox import check_sandbox
     from .tasks import load_tasks
+    unused = [flag for flag, value, users in _POLICY_FLAGS if value(args) is not None and args.policy not in users]
+    if unused:
+        raise ValueError(f"--policy {args.policy} does not use {', '.join(unused)}; drop "
+                         f"{'it' if len(unused) == 1 else 'them'} (or pick the policy that does)")
+    temperature = 0.0 if args.temperature is None else args.temperature
+    check_temperature(temperature, "--temperature", hi=1e4 if args.policy == "k3" else None)  # k3's sampler's limit
+    _check_out_file(args.out)
     tasks = load_tasks(args.tasks)
     spec = {"kind": args.policy}
     if args.policy == "http":
-        spec.update(base_url=args.base_url, model=args.model, temperature=args.temperature,
-                    api_key=os.environ.get(args.api_key_env), max_tokens=args.max_tokens or 2048)
+        spec.update(base_url=args.base_url, model=args.model, temperature=temperature,
+                    api_key=os.environ.get(args.api_key_env or "OPENAI_API_KEY"), max_tokens=args.max_tokens or 2048)
         if not args.base_url or not args.model:
             raise ValueError("--policy http needs --base-url and --model")
+        check_base_url(args.base_url, "--base-url")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens {args.max_tokens} must be >= 1")
+    dialects = tuple(d.strip() for d in args.dialects.split(",")) if args.dialects else DIALECTS
+    for d in dialects:
+        if d not in DIALECTS:
+            raise ValueError(f"unknown dialect {d!r}; choose from {', '.join(DIALECTS)}")
     if args.policy == "k3":
         if not args.ckpt:
             raise ValueError("--policy k3 needs --ckpt (a checkpoint directory or root)")
         from .policies import _load_k3
         _load_k3(str(args.ckpt), None if args.tokenizer is None else str(args.tokenizer))  # fails here, not per episode
-        spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=args.temperature,
+        spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=temperature,
                     max_tokens=args.max_tokens or 256, seed=args.seed)
-    dialects = tuple(d.strip() for d in args.dialects.split(",")) if args.dialects else DIALECTS
-    for d in dialects:
-        if d not in DIALECTS:
-            raise ValueError(f"unknown dialect {d!r}; choose from {', '.join(DIALECTS)}")
     check_sandbox()
     cfg = EpisodeConfig(dialects=dialects, augment=not args.no_augment, max_steps=args.max_steps)
     records = run_rollouts(tasks, spec, len(tasks) if args.episodes is None else args.episodes, workers=args.workers,
@@ -137,11 +177,21 @@ def _run(args) -> int:
 
 def _redteam(args) -> int:
     from .redteam import ATTACKS, run_redteam
-    if args.list:
-        for a in ATTACKS:
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if names == []:
+        raise ValueError(f"--only {args.only!r} names no attack; pass attack names (see `k3 agentenv redteam --list`)")
+    if args.list:  # the attacks that the same flags would run
+        unknown = sorted(set(names or ()) - {a.name for a in ATTACKS})
+        if unknown:
+            raise ValueError(f"unknown attack(s) {unknown}; see `k3 agentenv redteam --list`")
+        attacks = [a for a in ATTACKS if (not names or a.name in names) and (not args.quick or a.quick)]
+        if args.json:
+            print(json.dumps([{"name": a.name, "category": a.category, "task": a.task, "quick": a.quick,
+                               "note": a.note} for a in attacks], indent=1))
+            return 0
+        for a in attacks:
             print(f"{a.name:34s} {a.category:12s} {a.task:20s}{' quick' if a.quick else ''}")
         return 0
-    names = [n.strip() for n in args.only.split(",")] if args.only else None
     report = run_redteam(names=names, quick=args.quick, progress=not args.json)
     if args.json:
         print(json.dumps(report, indent=1))

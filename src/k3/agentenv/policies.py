@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 import urllib.error
@@ -93,6 +94,27 @@ class CallablePolicy(Policy):
         return self.fn(transcript)
 
 
+def check_base_url(base_url: str, flag: str = "base_url") -> None:
+    """An endpoint URL: an http(s) scheme and a host, e.g. http://localhost:8000/v1."""
+    import urllib.parse
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+        host, _ = parts.hostname, parts.port  # port: a non-numeric one raises here
+    except ValueError as e:
+        raise ValueError(f"{flag} {base_url!r} is not a valid URL ({e}); pass e.g. http://localhost:8000/v1") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"{flag} {base_url!r} needs an http:// or https:// scheme and a host; "
+                         "pass e.g. http://localhost:8000/v1")
+
+
+def check_temperature(temperature: float, flag: str = "temperature", hi: float | None = None) -> None:
+    """A sampling temperature: finite and >= 0 (0 is greedy), and at most `hi` where the sampler has a limit."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"{flag} {temperature} must be a finite number >= 0 (0 samples greedily)")
+    if hi is not None and temperature > hi:
+        raise ValueError(f"{flag} {temperature} must be at most {hi:g}")
+
+
 class OpenAIChatPolicy(Policy):
     """POST {base_url}/chat/completions with the transcript; returns the assistant text.
 
@@ -103,8 +125,7 @@ class OpenAIChatPolicy(Policy):
     def __init__(self, base_url: str, model: str, api_key: str | None = None,
                  temperature: float = 0.0, max_tokens: int = 2048, timeout_s: float = 120.0,
                  retries: int = 2, extra: dict | None = None):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url {base_url!r} must start with http:// or https://")
+        check_base_url(base_url)
         self.base_url = base_url.rstrip("/")
         self.model, self.api_key = model, api_key
         self.temperature, self.max_tokens = temperature, max_tokens

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ._case_runner import encode
-from .tasks import build_sqlite, write_task
+from .tasks import FORMAT, _listing, build_sqlite, write_task
 
 
 def V(x, tol: float = 0.0) -> dict:
@@ -1159,13 +1159,53 @@ def all_specs() -> list[dict]:
             + _files_specs())
 
 
-def build_all(out_dir: str | os.PathLike) -> list[Path]:
-    """Write every task under out_dir (existing task directories are replaced)."""
+def _not_rebuilt(target: Path) -> str | None:
+    """Why `target` is not a task directory that `build_all` wrote and may replace (None when it is):
+    its task.json is a manifest for this id and it holds only the files that manifest lists."""
+    if target.is_symlink() or not target.is_dir():
+        return "is not a directory"
+    try:
+        m = json.loads((target / "task.json").read_text())
+        ok = isinstance(m, dict) and m.get("format") == FORMAT and m.get("id") == target.name
+        listed = ({"task.json"} | {f"workspace/{p}" for p in m["workspace"]["files"]} | set(m["hidden"])
+                  if ok else set())
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        return "has no task.json written by `k3 agentenv tasks --rebuild`"
+    extra = sorted(_listing(target) - listed)
+    if extra:
+        return f"holds files the task does not list ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"
+    return None
+
+
+def build_all(out_dir: str | os.PathLike, force: bool = False) -> list[Path]:
+    """Write every task under out_dir. An existing task directory is replaced only when rebuilding
+    wrote it and it holds nothing else (checked for every task before anything is removed); `force`
+    replaces it regardless."""
     import shutil
+    base = Path(out_dir)
+    if base.exists() and not base.is_dir():
+        raise ValueError(f"--dir {out_dir} is a file, not a directory; pass a directory for the tasks")
+    specs = all_specs()
+    if not force:
+        refused = []
+        for spec in specs:
+            target = base / spec["id"]
+            why = _not_rebuilt(target) if target.exists() or target.is_symlink() else None
+            if why:
+                refused.append((target, why))
+        if refused:
+            target, why = refused[0]
+            more = f" (and {len(refused) - 1} more task directories)" if len(refused) > 1 else ""
+            raise ValueError(f"rebuilding would replace {target}, which {why}{more}; move your files out of it, "
+                             "rebuild into another --dir, or add --force to replace it anyway")
     out = []
-    for spec in all_specs():
-        target = Path(out_dir) / spec["id"]
-        if target.exists():
+    for spec in specs:
+        target = base / spec["id"]
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():
             shutil.rmtree(target)
         out.append(write_task(out_dir, id=spec["id"], family=spec["family"], title=spec["title"],
                               instruction=spec["instruction"], workspace=spec["workspace"],

@@ -264,9 +264,16 @@ def load_task(path: str | os.PathLike) -> Task:
 
 def discover(root: str | os.PathLike | None = None) -> list[Path]:
     base = Path(root) if root else tasks_root()
+    if base.exists() and not base.is_dir():
+        raise ValueError(f"task directory {base} is a file, not a directory; pass the directory that holds the tasks")
     if not base.is_dir():
-        raise ValueError(f"task directory {base} does not exist")
-    return sorted(p for p in base.iterdir() if p.is_dir() and (p / "task.json").exists())
+        raise ValueError(f"task directory {base} does not exist; pass the directory that holds the tasks, or "
+                         f"write the shipped tasks there with `k3 agentenv tasks --rebuild --dir {base}`")
+    found = sorted(p for p in base.iterdir() if p.is_dir() and (p / "task.json").exists())
+    if not found:
+        raise ValueError(f"task directory {base} holds no tasks (no subdirectory with a task.json); write the "
+                         f"shipped tasks there with `k3 agentenv tasks --rebuild --dir {base}`, or pass another one")
+    return found
 
 
 def load_tasks(selector: str | list[str] = "all", root: str | os.PathLike | None = None) -> list[Task]:

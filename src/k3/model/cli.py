@@ -20,6 +20,14 @@ def config_from_args(args: argparse.Namespace) -> K3Config:
         try:
             with open(args.config, encoding="utf-8") as f:
                 base = json.load(f)
+        except FileNotFoundError:
+            raise K3ConfigError(f"--config {args.config}: no such file; give the path of a config JSON "
+                                "(`k3 config --preset NAME > FILE.json` writes one)") from None
+        except IsADirectoryError:
+            raise K3ConfigError(f"--config {args.config}: is a directory; give the path of a config JSON "
+                                "file") from None
+        except PermissionError:
+            raise K3ConfigError(f"--config {args.config}: permission denied; give a config JSON you can read") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise K3ConfigError(f"--config {args.config}: not valid JSON ({e}); give a JSON object of config fields, "
                                 "as `k3 config --preset NAME` prints") from None
@@ -62,10 +70,14 @@ def cmd_params(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(counts, indent=2))
         return 0
-    print(f"{'component':<18}{'total':>16}{'active':>16}")
-    for comp, v in counts["by_component"].items():
-        print(f"{comp:<18}{v['total']:>16,}{v['active']:>16,}")
-    print(f"{'all':<18}{counts['total']:>16,}{counts['active']:>16,}")
+    rows = [(comp, v["total"], v["active"]) for comp, v in counts["by_component"].items()]
+    rows.append(("all", counts["total"], counts["active"]))
+    # wide enough for the longest name and number, with at least one space between columns
+    c = max(18, max(len(r[0]) for r in rows) + 2)
+    w = max(16, max(len(f"{n:,}") for r in rows for n in r[1:]) + 2)
+    print(f"{'component':<{c}}{'total':>{w}}{'active':>{w}}")
+    for comp, total, active in rows:
+        print(f"{comp:<{c}}{total:>{w},}{active:>{w},}")
     print(f"total {_fmt(counts['total'])}, active {_fmt(counts['active'])}; "
           f"{counts['layers']['kda']} KDA + {counts['layers']['mla']} MLA layers, "
           f"{counts['active_experts']}/{counts['experts']} experts, latent {counts['latent_dim']}")

@@ -74,12 +74,45 @@ def maybe_run_parallel(args: argparse.Namespace) -> int | None:
     if getattr(args, "device", "auto") not in ("auto", has):
         raise ValueError(f"--device {args.device}: a distributed run here computes on {has} (the backend is chosen "
                          "from what the machine has); drop --device")
+    _check_before_launch(args, _dims(nproc, args))
     argv = _without_nproc(sys.argv[1:])  # torchrun's own parser would take --nproc for --nproc-per-node
     if "train" not in argv:
         raise ValueError("the --nproc re-launch reads the command line; run `k3 train --nproc N ...` from a shell")
     cmd = torchrun_command(nproc, argv)
     print("launching: " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
+
+
+def _check_before_launch(args: argparse.Namespace, dims) -> None:
+    """What every rank checks first (config, train settings, --data, --out's checkpoint), checked once before
+    torchrun starts: a rank's error would otherwise come once per rank and then torchrun's own traceback.
+    The ranks still check all of it."""
+    from pathlib import Path
+
+    from k3.model.cli import config_from_args
+    from k3.parallel import checkpoint as pckpt
+    from k3.parallel.pipeline import stage_layers
+    from k3.parallel.train import check_parallel_settings
+    from k3.train import checkpoint as ckpt
+    from k3.train.cli import _train_config, _with_qat, load_data_dir
+
+    config = _with_qat(config_from_args(args), args)
+    tc = _train_config(args)
+    stage_layers(config.n_layers, dims.pp)  # a --pp that cannot split the layers
+    check_parallel_settings(config, tc, dims, load_data_dir(args.data).train)
+    if not getattr(args, "out", None):
+        return
+    root = Path(args.out) / "checkpoint"
+    dcp, single = pckpt.latest(root) is not None, ckpt.latest_checkpoint(root) is not None
+    if args.resume and not dcp:
+        if single:
+            raise ValueError(f"{root} holds a single-process checkpoint, not a distributed one; resume it without "
+                             "--nproc (or start a new distributed run with another --out)")
+        raise ValueError(f"--resume: no checkpoint found in {root}; drop --resume to start a new run, or pass the "
+                         "--out of the run to continue")
+    if not args.resume and (dcp or single) and not args.overwrite:
+        raise ValueError(f"{root} already holds a checkpoint; pass --resume to continue it, --overwrite to start "
+                         "over, or another --out")
 
 
 def _holds_dcp(out) -> bool:
@@ -187,22 +220,29 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if getattr(args, "ep_redundant", 0):
         raise ValueError("k3 mesh shows the contiguous expert layout; --ep-redundant applies to k3 train")
+    moe = config.n_dense_layers < config.n_layers
+    if moe and config.n_experts % dims.ep:
+        fits = [e for e in range(1, config.n_experts + 1) if config.n_experts % e == 0]
+        raise ValueError(f"n_experts = {config.n_experts} is not divisible by --ep {dims.ep}: k3 mesh shows the "
+                         f"contiguous expert layout, so pick an --ep that divides it ({', '.join(map(str, fits))}); "
+                         "`k3 train --ep-redundant N` can place a remainder")
+    starts = [r.start for r in stage_layers(config.n_layers, dims.pp)[1:]]  # a --pp that cannot split fails here
     model = build_meta(config)
     counts = count_params(model)
     routed = counts["by_component"].get("moe_routed", {"total": 0})["total"]
     other = counts["total"] - routed
     per_stage = routed / dims.pp, other / dims.pp  # even split over stages, an approximation
-    if config.n_dense_layers < config.n_layers:
+    if moe:
         contiguous_placement(config.n_experts, dims.ep)
-    print(dims.describe())
-    print(f"{config.name}: {config.n_experts} experts -> {config.n_experts // dims.ep} per EP rank; routed expert "
-          f"params per rank ~{per_stage[0] / dims.ep / 1e9:.3f}B, other params per rank ~"
-          f"{per_stage[1] / dims.fsdp_size / 1e9:.3f}B (FSDP shard)")
-    print(f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes")
+    lines = [dims.describe(),
+             f"{config.name}: {config.n_experts} experts -> {config.n_experts // dims.ep} per EP rank; routed expert "
+             f"params per rank ~{per_stage[0] / dims.ep / 1e9:.3f}B, other params per rank ~"
+             f"{per_stage[1] / dims.fsdp_size / 1e9:.3f}B (FSDP shard)",
+             f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes"]
     if dims.pp > 1:
-        starts = [r.start for r in stage_layers(config.n_layers, dims.pp)[1:]]
-        print("AttnRes sources crossing each stage boundary: " +
-              ", ".join(f"layer {s}: {pipeline_sources(model, s)}" for s in starts))
+        lines.append("AttnRes sources crossing each stage boundary: " +
+                     ", ".join(f"layer {s}: {pipeline_sources(model, s)}" for s in starts))
+    print("\n".join(lines))  # all checked and computed first: an error leaves no partial layout on stdout
     return 0
 
 

@@ -139,6 +139,29 @@ def clip_grads_(model, total_norm: torch.Tensor, max_norm: float) -> None:
             g.mul_(coef.to(g.dtype))
 
 
+def check_parallel_settings(config: K3Config, tc: TrainConfig, dims, train_data=None) -> None:
+    """What a distributed run refuses (ValueError naming the flag): checked by every rank, and once by the launcher
+    before torchrun starts so that the user sees one line instead of one per rank and torchrun's traceback."""
+    if dims.pp > config.n_layers:
+        raise ValueError(f"--pp {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
+    if tc.optimizer != "adamw":
+        raise ValueError(f"--optimizer {tc.optimizer} with FSDP: Muon orthogonalises whole matrices and FSDP shards "
+                         "them; use --optimizer adamw for distributed runs")
+    if tc.batch_size % dims.dp:
+        raise ValueError(f"--batch-size {tc.batch_size} does not split over {dims.dp} data-parallel ranks; use a "
+                         f"multiple of {dims.dp}")
+    if tc.activation_checkpointing or tc.compile:
+        raise ValueError("--activation-checkpointing and --compile are not wired into distributed runs yet; drop them")
+    if tc.max_minutes is not None:
+        raise ValueError("--max-minutes is not wired into distributed runs yet (every rank would have to agree on "
+                         "the stop); give --steps")
+    if train_data is not None:
+        from k3.train.trainer import check_dataset
+
+        check_dataset(train_data, "training", config, tc.batch_size, tc.seq_len, tc.seed,
+                      min_tokens=tc.batch_size * tc.seq_len + 1)
+
+
 class ParallelTrainer:
     """Train a K3Model over a ParallelContext; rank 0 writes metrics, all ranks write checkpoints.
     `placements`: {MoE layer index over the whole model: Placement}."""
@@ -151,23 +174,7 @@ class ParallelTrainer:
         self.config, self.tc, self.ctx = config.validate(), tc.validate(), ctx
         self.data_info = dict(data_info or {})  # stored as the checkpoint's `data`; a resume must match it
         dims = ctx.dims
-        if dims.pp > config.n_layers:
-            raise ValueError(f"pp = {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
-        if tc.optimizer != "adamw":
-            raise ValueError(f"optimizer {tc.optimizer!r} with FSDP: Muon orthogonalises whole matrices and FSDP "
-                             "shards them; use --optimizer adamw for distributed runs")
-        if tc.batch_size % dims.dp:
-            raise ValueError(f"batch_size = {tc.batch_size} does not split over {dims.dp} data-parallel ranks; "
-                             f"use a multiple of {dims.dp}")
-        if tc.activation_checkpointing or tc.compile:
-            raise ValueError("activation checkpointing and compile are not wired into distributed runs yet")
-        if tc.max_minutes is not None:
-            raise ValueError("--max-minutes is not wired into distributed runs yet (every rank would have to agree on "
-                             "the stop); give --steps")
-        from k3.train.trainer import check_dataset
-
-        check_dataset(train_data, "training", config, tc.batch_size, tc.seq_len, tc.seed,  # before the model is built
-                      min_tokens=tc.batch_size * tc.seq_len + 1)
+        check_parallel_settings(config, tc, dims, train_data)  # before the model is built
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.overwrite = overwrite
         self.train_data = train_data

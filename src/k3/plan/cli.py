@@ -133,6 +133,20 @@ def format_what_ifs(w: dict) -> str:
     return "\n".join(lines)
 
 
+def _check_plot_path(path: str) -> None:
+    """Before any planning: --plot names a file that can be written (not a directory, not under a file)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--plot {path} is a directory; pass a file name such as {p / 'walls.png'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--plot {path}: {parent} is a file, not a directory; pass another path")
+            break
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from k3.plan.walls import Layout, Options, min_gpus_to_serve, plan
     from k3.plan.whatif import parse_what_ifs, what_ifs
@@ -146,6 +160,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       schedule=args.schedule).check()
     if args.plot and args.train:
         raise ValueError("--plot draws the serving walls against context; drop --train to plot them")
+    if args.min_gpus and args.train:
+        raise ValueError("--min-gpus plans serving; drop --train")
+    given = [f"--{k}" for k in ("tp", "ep", "pp", "dp") if getattr(args, k) is not None]
+    if args.min_gpus and given:
+        raise ValueError(f"--min-gpus chooses the layout itself; drop {' '.join(given)} "
+                         "(or drop --min-gpus to plan that layout)")
+    if args.plot:
+        _check_plot_path(args.plot)
     names = parse_what_ifs(args.what_if) if args.what_if else []
     out: dict = {}
     if args.min_gpus:
@@ -153,7 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         layout = Layout(**{k: found["layout"][k] for k in ("tp", "ep", "pp", "dp")})
         out["min_gpus"] = {"gpus": found["gpus"], "layout": found["layout"]}
     else:
-        layout = Layout(tp=args.tp, ep=args.ep, pp=args.pp, dp=args.dp)
+        layout = Layout(**{k: 1 if getattr(args, k) is None else getattr(args, k) for k in ("tp", "ep", "pp", "dp")})
     result = plan(config, args.hardware, layout, options)
     out["plan"] = result
     if names:
@@ -185,7 +207,7 @@ def register(sub) -> None:
     p.add_argument("--hardware", default="h200", help="preset (h100, h200, b200, gb200-nvl72) or a FILE.yaml")
     for k, h in (("tp", "tensor parallel"), ("ep", "expert parallel (divides tp x dp)"), ("pp", "pipeline stages"),
                  ("dp", "data-parallel replicas")):
-        p.add_argument(f"--{k}", type=int, default=1, help=f"{h} size (default 1)")
+        p.add_argument(f"--{k}", type=int, default=None, help=f"{h} size (default 1)")
     p.add_argument("--context", type=int, default=1048576, help="tokens per sequence (default 1048576)")
     p.add_argument("--batch", type=int, default=1, help="sequences per replica (training: per micro-batch)")
     mode = p.add_mutually_exclusive_group()

@@ -7,6 +7,7 @@ The public source of every preset number is listed in docs/planner.md.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -59,6 +60,11 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+def _is_number(v) -> bool:
+    """A finite int or float; YAML's true/false are bools, not numbers."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _from_dict(d: dict, origin: str) -> Hardware:
     if not isinstance(d, dict):
         raise ValueError(f"{origin}: expected a YAML mapping with fields {list(_FIELDS)}")
@@ -67,22 +73,32 @@ def _from_dict(d: dict, origin: str) -> Hardware:
     if missing or unknown:
         raise ValueError(f"{origin}: missing fields {missing}, unknown fields {unknown}; "
                          f"a hardware YAML has {list(_FIELDS)}")
-    for f in ("memory_gb", "hbm_tb_s", "nvlink_gb_s", "network_gb_s", "nvlink_domain"):
+    for f in ("memory_gb", "hbm_tb_s", "nvlink_gb_s", "network_gb_s"):
         v = d[f]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+        if not _is_number(v) or v <= 0:
             raise ValueError(f"{origin}: {f} = {v!r} must be a positive number")
+    v = d["nvlink_domain"]
+    if not _is_number(v) or v <= 0 or v != int(v):  # 8.0 is 8; 0.5 is no number of GPUs
+        raise ValueError(f"{origin}: nvlink_domain = {v!r} must be a positive whole number of GPUs (e.g. 8)")
     tf = d["tflops"]
     if not isinstance(tf, dict) or set(tf) - set(PRECISIONS):
         raise ValueError(f"{origin}: tflops must map some of {list(PRECISIONS)} to dense TFLOP/s (or null)")
     for p, v in tf.items():
-        if v is not None and (not isinstance(v, (int, float)) or v <= 0):
-            raise ValueError(f"{origin}: tflops.{p} = {v!r} must be positive or null")
+        if v is not None and (not _is_number(v) or v <= 0):
+            raise ValueError(f"{origin}: tflops.{p} = {v!r} must be a positive number or null")
     if not tf.get("bf16"):
         raise ValueError(f"{origin}: tflops.bf16 is required (the precision everything can fall back to)")
     return Hardware(name=str(d["name"]), description=str(d.get("description", "")),
                     memory_gb=float(d["memory_gb"]), hbm_tb_s=float(d["hbm_tb_s"]),
                     nvlink_gb_s=float(d["nvlink_gb_s"]), nvlink_domain=int(d["nvlink_domain"]),
                     network_gb_s=float(d["network_gb_s"]), tflops={p: tf.get(p) for p in PRECISIONS})
+
+
+def _yaml_problem(e: Exception) -> str:
+    """One line from a YAML error: its problem and where (1-based line:column)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
 
 
 def load_hardware(name_or_path: str) -> Hardware:
@@ -92,10 +108,19 @@ def load_hardware(name_or_path: str) -> Hardware:
     s = str(name_or_path)
     if s.endswith((".yaml", ".yml")) or os.sep in s:
         path = Path(s)
+        if path.is_dir():
+            raise ValueError(f"--hardware {s} is a directory; pass a preset name "
+                             f"({', '.join(preset_names())}) or a YAML file")
         if not path.is_file():
             raise FileNotFoundError(f"hardware file {s} does not exist; pass a preset name "
                                     f"({', '.join(preset_names())}) or an existing YAML file")
-        return _from_dict(yaml.safe_load(path.read_text()), str(path))
+        try:
+            d = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{s}: not a text file (not UTF-8); pass a hardware YAML file") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{s}: not valid YAML ({_yaml_problem(e)}); fix the file or pass a preset name") from None
+        return _from_dict(d, str(path))
     key = s.lower()
     names = preset_names()
     if key not in names:
