@@ -322,3 +322,17 @@ def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir
     for name in ("data.json", "train.json", "val.json"):  # as a build that stopped after its tokenizer leaves it
         (failed / name).unlink()
     assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused
+
+
+def test_a_file_that_cannot_be_read_counts_by_size_and_mtime(tmp_path):
+    """The reader skips an unreadable file; the fingerprint must not fail on it either."""
+    from k3.data.corpus import _content_digest
+
+    d = tmp_path / "not-a-file"
+    d.mkdir()  # open() fails on it, as on a file without read permission
+    assert _content_digest(d).startswith(b"unreadable ")
+    assert _content_digest(tmp_path / "gone") == b"missing"
+    f = tmp_path / "a.txt"
+    f.write_text("x" * 3_000_000)  # read in chunks
+    import hashlib
+    assert _content_digest(f) == hashlib.sha256(b"x" * 3_000_000).digest()
