@@ -27,3 +27,17 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
     assert cli.main(["params"]) == 1
     assert "a worker's pipe" in capsys.readouterr().err
+
+
+def test_output_into_a_socket_whose_reader_left_ends_quietly():
+    """stdout a socket whose peer has closed (poll reports POLLHUP there, not POLLERR): exit 0, no error line."""
+    import socket
+
+    mine, peer = socket.socketpair()
+    peer.close()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "k3.cli", "params", "--preset", "mini", "--json"], stdout=mine,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        mine.close()
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-500:]

@@ -43,14 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _stdout_reader_gone() -> bool:
-    """True when stdout is a pipe whose reading end is closed (poll reports POLLERR on its writing end). A flush
+    """True when stdout is a pipe or socket whose reading end is closed (poll reports POLLERR, for a socket POLLHUP,
+    on the writing end). A flush
     cannot tell: the failed write that raised has already dropped the buffered text, so a second flush succeeds."""
     import select
 
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))  # pipes | sockets
     except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
         return False
 

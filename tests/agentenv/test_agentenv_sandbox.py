@@ -174,6 +174,9 @@ def test_truncated_output_cuts_on_whole_characters(sandbox):
             tail = tail.split("...]\n", 1)[1]
             assert set(head) == {ch} and set(tail) == {ch}
             assert len((head + tail).encode()) + n == 20000 * len(ch.encode())
+        # not truncated, but longer than the head's half: the character across the halves' seam stays whole
+        r = s.run("python3 -c \"import sys; sys.stdout.write('\u20ac' * 3000)\"")
+        assert r["truncated_bytes"] == 0 and r["output"] == "\u20ac" * 3000
 
 
 def test_exit_codes_are_the_commands_own(sandbox):

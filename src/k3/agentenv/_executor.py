@@ -281,10 +281,11 @@ def op_run(req):
             skip += 1
         dropped += len(head) - keep + skip
         head, tail = head[:keep], tail[skip:]
-    text = head.decode("utf-8", "replace")
     if dropped > 0:
-        text += "\n[... %d bytes truncated ...]\n" % dropped
-    text += tail.decode("utf-8", "replace")
+        text = head.decode("utf-8", "replace") + "\n[... %d bytes truncated ...]\n" % dropped + \
+            tail.decode("utf-8", "replace")
+    else:  # nothing dropped: head and tail are one byte string (a character may straddle them)
+        text = (head + tail).decode("utf-8", "replace")
     return {"ok": True, "exit_code": rc, "output": text, "timed_out": timed_out,
             "cpu_limited": cpu_limited, "truncated_bytes": max(0, dropped),
             "duration_s": round(time.monotonic() - start, 4)}
