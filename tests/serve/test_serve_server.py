@@ -469,6 +469,10 @@ def test_special_tokens_in_completions_and_chat(tiny_model_factory, serve_tokeni
         assert r.choices[0].text == a + b + c and r.choices[0].finish_reason == "stop"
         r = client(url).completions.create(**kw, extra_body={"skip_special_tokens": False})
         assert r.choices[0].text == "<|think|>" + a + "<|/think|>" + b + c
+        for skip in (True, False):  # a stop string naming a special token stops there, skipped from the text or not
+            r = client(url).completions.create(**kw, stop=["<|/think|>"], extra_body={"skip_special_tokens": skip})
+            assert r.choices[0].text == ("" if skip else "<|think|>") + a and r.choices[0].finish_reason == "stop"
+            assert r.usage.completion_tokens == 3
         for skip in (True, False):
             r = client(url).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,

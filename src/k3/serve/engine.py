@@ -334,6 +334,8 @@ class Engine:
             reason = "stop"  # the end token itself is not part of the text
         elif not (p.skip_special_tokens and tok < len(SPECIAL_TOKENS)):
             r._tail.append(tok)
+        elif SPECIAL_TOKENS[tok] in p.stop:
+            reason = "stop"  # a stop string that names a skipped special token (e.g. "<|end|>") still stops
         if reason is None and self._found_stop(r):
             reason = "stop"
         if reason is None and (len(r.output_ids) >= p.max_tokens
