@@ -215,15 +215,16 @@ def test_gpipe_schedule_holds_every_micro_batch():
         Options(mode="train", schedule="zigzag").check()
 
 
-def test_zero3_charges_the_weight_gathers():
-    """ZeRO-3 gathers the sharded bf16 weights before every micro-batch's forward and backward: 2 m (n-1)/n of
-    the weight bytes on top of the gradient reduction, which ZeRO-1 does not pay."""
-    opts = dict(mode="train", context=256, batch=1, micro_batches=4)
-    z1 = plan(TINY, "h100", Layout(dp=4, ep=2), Options(**opts, zero=1))
-    z3 = plan(TINY, "h100", Layout(dp=4, ep=2), Options(**opts, zero=3))
-    w = z1["stages"][0]["memory"]["weights"]  # unsharded bf16 copy per GPU under ZeRO-1
-    extra = z3["communication"]["dp_grad_reduce_bytes_per_step"] - z1["communication"]["dp_grad_reduce_bytes_per_step"]
-    assert extra > 0 and extra <= 2 * 4 * w  # at most 2 m gathers of the whole copy
+def test_zero_stages_charge_their_gradient_and_weight_traffic():
+    """Per step, n = 4 data-parallel ranks, m = 4 micro-batches: ZeRO-2 reduce-scatters each micro-batch's gradients
+    as they are made (m (n-1)/n of their bytes) and gathers the updated weights once; ZeRO-3 also gathers the sharded
+    weights before every micro-batch's forward and backward (2 m (n-1)/n of their bytes)."""
+    opts = dict(mode="train", context=256, batch=1, micro_batches=4, grad_dtype="fp32")
+    z = {k: plan(TINY, "h100", Layout(dp=4), Options(**opts, zero=k)) for k in (0, 2, 3)}
+    grad_rs = z[0]["communication"]["dp_grad_reduce_bytes_per_step"] / 2
+    weight_ag = 3 / 4 * z[0]["stages"][0]["memory"]["weights"]  # the unsharded compute copy under ZeRO-0
+    assert z[2]["communication"]["dp_grad_reduce_bytes_per_step"] == pytest.approx(4 * grad_rs + weight_ag)
+    assert z[3]["communication"]["dp_grad_reduce_bytes_per_step"] == pytest.approx(4 * grad_rs + 8 * weight_ag)
 
 
 def test_data_parallel_traffic_prices_gradients_and_weights_at_their_own_dtypes():

@@ -332,12 +332,14 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             grad_rs = (dp - 1) / dp * (g["params"] - n_routed) * gb + (edp - 1) / edp * n_routed * gb
             routed_b = g["by_component"].get("moe_routed", {}).get("bytes", 0.0)
             weight_ag = (dp - 1) / dp * (g["bytes"] - routed_b) + (edp - 1) / edp * routed_b
-            if options.zero == 0:  # all-reduce (reduce-scatter + all-gather) of the gradients
+            if options.zero == 0:  # all-reduce (reduce-scatter + all-gather) of the accumulated gradients
                 dp_red = 2 * grad_rs
-            elif options.zero in (1, 2):  # gradients reduce-scattered to their optimizer shard, updated weights gathered
+            elif options.zero == 1:  # accumulated gradients reduce-scattered to their optimizer shard, weights gathered
                 dp_red = grad_rs + weight_ag
-            else:  # ZeRO-3: sharded weights gathered before every micro-batch's forward and backward
-                dp_red = grad_rs + 2 * m * weight_ag
+            elif options.zero == 2:  # sharded gradients: each micro-batch's are reduce-scattered as they are made
+                dp_red = m * grad_rs + weight_ag
+            else:  # ZeRO-3 (FSDP): that, and the sharded weights gathered for every micro-batch's forward and backward
+                dp_red = m * grad_rs + 2 * m * weight_ag
             comm.update({
                 "ep_a2a_bytes_per_step": a2a, "ep_a2a_s": a2a / ep_bw,
                 "tp_allreduce_bytes_per_step": tp_ar, "tp_allreduce_s": tp_ar / tp_bw,
