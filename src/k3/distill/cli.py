@@ -330,6 +330,29 @@ def _eval_closure(out: Path, teachers, student, domains, tok, mc, args):
     return evaluate
 
 
+def _own_teachers(args, tok, shared, cells):
+    """Each cell's own teacher, for the evaluation gaps of a --single-teacher run: the shared model where it is that
+    cell's own, loaded otherwise; a cell without a usable teacher of its own keeps the shared one, with a warning."""
+    from k3.distill.domains import cell_name
+    from k3.distill.mopd import TeacherMatrix, load_teacher_matrix
+
+    models, sources, identities = {}, {}, {}
+    for c in cells:
+        if shared.sources.get(c) == cell_name(*c):
+            own = shared
+        else:
+            try:
+                own = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, None, [c])
+            except ValueError as e:
+                print(f"warning: the evaluation gaps of {cell_name(*c)} are to the --single-teacher "
+                      f"{args.single_teacher} teacher, not its own: {e}", file=sys.stderr)
+                own = shared
+        models[c], sources[c] = own.for_cell(c), own.sources.get(c)
+        if c in own.identities:
+            identities[c] = own.identities[c]
+    return TeacherMatrix(models, sources, identities)
+
+
 def cmd_mopd(args: argparse.Namespace) -> int:
     from k3.distill.domains import make_domains
     from k3.distill.evaluate import plot_gaps
@@ -369,11 +392,7 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     # domain does the teaching (--single-teacher); the shared teacher stands in only where a cell has none
     reference = teachers
     if args.single_teacher and mc.eval_n > 0:
-        try:
-            reference = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, None, mc.cells)
-        except ValueError as e:
-            print(f"warning: the evaluation gaps are to the --single-teacher {args.single_teacher} teachers, not "
-                  f"each cell's own: {e}", file=sys.stderr)
+        reference = _own_teachers(args, tok, teachers, mc.cells)
     evaluate = _eval_closure(out, reference, student, domains, tok, mc, args)
     keys = ("loss", "reverse_kl") if mc.mode == "on-policy" else ("loss",)
     bar = _Bar(lc.steps, f"mopd {mc.mode}", not args.quiet, keys=keys)
