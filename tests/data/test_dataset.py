@@ -322,6 +322,16 @@ def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir
     for name in ("data.json", "train.json", "val.json"):  # as a build that stopped after its tokenizer leaves it
         (failed / name).unlink()
     assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused
+    # the same, built by a version without the build marker; and a manifest whose source record is damaged
+    (failed / ".k3-data").unlink()
+    for name in ("data.json", "train.json", "val.json"):
+        (failed / name).unlink()
+    assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused
+    (failed / ".k3-data").unlink()
+    (failed / "data.json").write_text('{"request": {"source": 5}}')
+    for name in ("train.json", "val.json"):
+        (failed / name).unlink()
+    assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused
 
 
 def test_a_file_that_cannot_be_read_counts_by_size_and_mtime(tmp_path):

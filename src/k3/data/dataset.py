@@ -29,6 +29,7 @@ from k3.data.corpus import DEFAULT_VAL_FRACTION, Document, cap_bytes, open_corpu
 from k3.data.tokenizer import (
     DEFAULT_TOKENIZER_MAX_BYTES,
     DEFAULT_VOCAB_SIZE,
+    SPECIAL_TOKENS,
     TOKENIZER_FILE,
     Tokenizer,
     load_tokenizer,
@@ -318,6 +319,27 @@ def held_source(data_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def _written_by_k3(data_dir: Path) -> bool:
+    """Whether a directory's files are k3's data files even without a readable source record: the build marker
+    (written before a build starts), or a manifest, split record or tokenizer of k3's shape (a build interrupted
+    or damaged under a version without the marker)."""
+    if (data_dir / DATA_MARK).is_file():
+        return True
+    for name, keys in ((DATA_MANIFEST, ("request",)), ("train.json", ("n_tokens", "tokenizer_hash")),
+                       ("val.json", ("n_tokens", "tokenizer_hash"))):
+        try:
+            d = json.loads((data_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(d, dict) and all(k in d for k in keys):
+            return True
+    try:
+        tok = (data_dir / TOKENIZER_FILE).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return all(t in tok for t in SPECIAL_TOKENS)
+
+
 def same_corpus(a: str, b: str) -> bool:
     """Two corpus descriptions name the same corpus; any Python's standard library counts as one."""
     from k3.data.corpus import STDLIB_SOURCE
@@ -360,7 +382,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
         raise ValueError(f"{out_dir} holds data tokenized from {held}; tokenizing {corpus.description} there would "
                          "replace it (and strand the checkpoints trained on it): use another directory, or "
                          "`k3 tokenize --force` to replace it")
-    if not force and held is None and not (out_dir / DATA_MARK).is_file():
+    if not force and held is None and not _written_by_k3(out_dir):
         ours = [n for n in (DATA_MANIFEST, TOKENIZER_FILE, "train.bin", "train.json", "train.docs.npy", "val.bin",
                             "val.json", "val.docs.npy") if (out_dir / n).exists()]
         if ours:
