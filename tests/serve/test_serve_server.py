@@ -352,6 +352,12 @@ def test_startup_rejects_mismatched_checkpoint_and_tokenizer(tiny_checkpoint, tm
     cfg.write_text(json.dumps({**manifest["config"], "d_model": 128}))
     with pytest.raises(ValueError, match="'d_model' is 64 in the checkpoint but 128"):
         load_for_serving(tiny_checkpoint, config_path=cfg)
+    # a partial file checks the fields it names; the rest are the checkpoint's
+    cfg.write_text(json.dumps({"d_model": manifest["config"]["d_model"], "attnres": manifest["config"]["attnres"]}))
+    load_for_serving(tiny_checkpoint, config_path=cfg)
+    cfg.write_text(json.dumps({"n_layers": manifest["config"]["n_layers"] + 1}))
+    with pytest.raises(ValueError, match="'n_layers'"):
+        load_for_serving(tiny_checkpoint, config_path=cfg)
     # a manifest whose config does not fit its weights
     step = latest_checkpoint(tiny_checkpoint)
     bad_root = tmp_path / "bad"
