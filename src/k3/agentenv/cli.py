@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+from k3.cli_checks import output_file
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("agentenv", help="agent environments: tasks, sandbox, rollouts, red team",
@@ -114,19 +116,6 @@ _POLICY_FLAGS = [("--ckpt", lambda a: a.ckpt, ("k3",)), ("--tokenizer", lambda a
                  ("--max-tokens", lambda a: a.max_tokens, ("http", "k3"))]
 
 
-def _check_out_file(path: str) -> None:
-    """Before any episode runs: --out names a file that can be written (not a directory, not under a file)."""
-    from pathlib import Path
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"--out {path} is a directory; pass a file name such as {p / 'rollouts.jsonl'}")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--out {path}: {parent} is a file, not a directory; pass another path")
-            break
-
-
 def _run(args) -> int:
     from .dialects import DIALECTS
     from .policies import check_base_url, check_temperature
@@ -139,7 +128,7 @@ def _run(args) -> int:
                          f"{'it' if len(unused) == 1 else 'them'} (or pick the policy that does)")
     temperature = 0.0 if args.temperature is None else args.temperature
     check_temperature(temperature, "--temperature", hi=1e4 if args.policy == "k3" else None)  # k3's sampler's limit
-    _check_out_file(args.out)
+    output_file("--out", args.out, "rollouts.jsonl")
     tasks = load_tasks(args.tasks)
     spec = {"kind": args.policy}
     if args.policy == "http":

@@ -8,6 +8,7 @@ import math
 import sys
 from pathlib import Path
 
+from k3.cli_checks import at_least, output_file
 from k3.model.cli import add_config_args, config_from_args
 
 DEFAULT_TEACHERS = "runs/mopd/teachers"
@@ -36,14 +37,6 @@ def _parse_cells(text: str | None):
     return tuple(parse_cell(c.strip()) for c in text.split(",") if c.strip())
 
 
-def _at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
-    """Each integer --flag given is >= low, else a ValueError naming it (before any work is done)."""
-    for flag in flags:
-        v = getattr(args, flag[2:].replace("-", "_"))
-        if v is not None and v < low:
-            raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
-
-
 def _check_rate(flag: str, value: float | None) -> None:
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{flag} {value} must be a positive number")
@@ -53,12 +46,6 @@ def _check_temperature(value: float, greedy_ok: bool) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not greedy_ok):
         raise ValueError(f"--temperature {value} must be a finite number " + (">= 0 (0: greedy)" if greedy_ok else
                          "> 0 (the student samples on-policy)"))
-
-
-def _check_out_file(flag: str, path) -> None:
-    """An output file given as an existing directory is refused before the work that would write it."""
-    if path is not None and Path(path).is_dir():
-        raise ValueError(f"{flag} {path} is a directory; give a file path")
 
 
 def _check_resume_overwrite(args: argparse.Namespace) -> None:
@@ -166,8 +153,8 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     from k3.train.cli import set_threads
 
     _check_resume_overwrite(args)
-    _at_least(args, 1, "--base-steps", "--steps", "--batch-size", "--max-context")
-    _at_least(args, 0, "--warmup-steps", "--ckpt-every")
+    at_least(args, 1, "--base-steps", "--steps", "--batch-size", "--max-context")
+    at_least(args, 0, "--warmup-steps", "--ckpt-every")
     _check_rate("--lr", args.lr)
     _check_rate("--teacher-lr", args.teacher_lr)
     config = config_from_args(args)
@@ -363,7 +350,7 @@ def cmd_mopd(args: argparse.Namespace) -> int:
 
     _check_resume_overwrite(args)
     _check_temperature(args.temperature, greedy_ok=False)
-    _at_least(args, 0, "--eval-n")
+    at_least(args, 0, "--eval-n")
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
@@ -433,9 +420,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.plot and not args.gap_run:
         raise ValueError("--plot names the gap plot of --gap-run RUN_DIR; give --gap-run too")
-    _at_least(args, 1, "--n")
+    at_least(args, 1, "--n")
     for flag, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)):
-        _check_out_file(flag, path)
+        output_file(flag, path)
     gap_metrics = _run_metrics("--gap-run", args.gap_run) if args.gap_run else None
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
@@ -497,7 +484,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from k3.distill.rollout import sample
 
     _check_temperature(args.temperature, greedy_ok=True)
-    _at_least(args, 1, "--max-answer-tokens")
+    at_least(args, 1, "--max-answer-tokens")
     if args.teachers and args.tokenizer:
         raise ValueError("--teachers DIR brings its own tokenizer; give --teachers or --tokenizer, not both")
     if args.teachers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from k3.cli_checks import output_file
 from k3.model.cli import add_config_args, config_from_args
 
 
@@ -133,20 +134,6 @@ def format_what_ifs(w: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_plot_path(path: str) -> None:
-    """Before any planning: --plot names a file that can be written (not a directory, not under a file)."""
-    from pathlib import Path
-
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"--plot {path} is a directory; pass a file name such as {p / 'walls.png'}")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--plot {path}: {parent} is a file, not a directory; pass another path")
-            break
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from k3.plan.walls import Layout, Options, min_gpus_to_serve, plan
     from k3.plan.whatif import parse_what_ifs, what_ifs
@@ -167,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--min-gpus chooses the layout itself; drop {' '.join(given)} "
                          "(or drop --min-gpus to plan that layout)")
     if args.plot:
-        _check_plot_path(args.plot)
+        output_file("--plot", args.plot, "walls.png")
     names = parse_what_ifs(args.what_if) if args.what_if else []
     out: dict = {}
     if args.min_gpus:

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from k3.cli_checks import at_least, output_file
+
 DEFAULT_ROOT = "runs/rl/exp"
 
 
@@ -45,20 +47,12 @@ _JSON_HELP = "print the result as indented JSON (without it: the same JSON on on
 
 # ---------------------------------------------------------------------------------------------- flag checks
 # run before any work (collecting demonstrations, building the tokenizer, loading models), each naming its flag
-def _at_least(args, low: int, *flags: str) -> None:
-    """Each integer --flag given is >= low."""
-    for flag in flags:
-        v = getattr(args, flag[2:].replace("-", "_"))
-        if v is not None and v < low:
-            raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
-
-
 def _check_run_flags(args) -> None:
     """The flags `_common` adds (warm start and GRPO)."""
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run and --overwrite starts it over; give one")
-    _at_least(args, 1, "--steps", "--keep-last")
-    _at_least(args, 0, "--warmup", "--ckpt-every")
+    at_least(args, 1, "--steps", "--keep-last")
+    at_least(args, 0, "--warmup", "--ckpt-every")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ValueError(f"--lr {args.lr} must be a positive number")
     if not 0 <= args.decay_frac <= 1:
@@ -80,11 +74,6 @@ def _names(flag: str, text: str) -> list[str]:
     if not names:
         raise ValueError(f"{flag} {text!r} names nothing; give at least one (comma-separated)")
     return names
-
-
-def _check_out_file(flag: str, path) -> None:
-    if Path(path).is_dir():
-        raise ValueError(f"{flag} {path} is a directory; give a file path")
 
 
 def _check_fresh(run: Path, args, other: str) -> None:
@@ -158,8 +147,8 @@ def cmd_warmstart(args) -> dict:
     from k3.rl.train import demo_pool, make_tokenizer, new_model, run_warmstart
     from k3.train.cli import set_threads
     _check_run_flags(args)
-    _at_least(args, 1, "--workers", "--batch", "--tasks-per-kind", "--demos-per-task", "--n-layers", "--max-context")
-    _at_least(args, 0, "--tokenizer-prompts", "--short-prompt-steps")
+    at_least(args, 1, "--workers", "--batch", "--tasks-per-kind", "--demos-per-task", "--n-layers", "--max-context")
+    at_least(args, 0, "--tokenizer-prompts", "--short-prompt-steps")
     if args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}")
     overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
@@ -209,7 +198,7 @@ def cmd_train(args) -> dict:
     if args.init == args.name:
         raise ValueError(f"--init {args.init} and --name {args.name} are the same run: pass --resume (with the --init "
                          "it started from) to continue it, or another --name to train a new run from it")
-    _at_least(args, 1, "--tasks-per-kind")
+    at_least(args, 1, "--tasks-per-kind")
     set_threads(args.threads)
     root = Path(args.root)
     gcfg = _grpo_config(args)
@@ -243,10 +232,10 @@ def cmd_eval(args) -> dict:
     names, harnesses = _names("--models", args.models), _names("--harness", args.harness)
     for h in harnesses:
         episode_config(h, args.fixed_dialect)  # an unknown harness or dialect, before any model is evaluated
-    _at_least(args, 1, "--n-per-kind", "--variants", "--max-tokens")
+    at_least(args, 1, "--n-per-kind", "--variants", "--max-tokens")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "eval.json"
-    _check_out_file("--out", out)
+    output_file("--out", out)
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)
@@ -278,10 +267,10 @@ def cmd_intent(args) -> dict:
     from k3.rl.train import command_choice, write_json
     from k3.train.cli import set_threads
     names = _names("--models", args.models)
-    _at_least(args, 1, "--n")
+    at_least(args, 1, "--n")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "intent.json"
-    _check_out_file("--out", out)
+    output_file("--out", out)
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)
@@ -318,7 +307,7 @@ def cmd_plot(args) -> dict:
     if getattr(args, "eval", None) and not eval_path.is_file():
         raise ValueError(f"{eval_path} does not exist; write it with `k3 rl eval --out {eval_path}`")
     out = Path(args.out) if args.out else root / "reward.png"
-    _check_out_file("--out", out)
+    output_file("--out", out)
     report = read_eval_report(eval_path) if eval_path.is_file() else None
     path = plot_rewards(runs, out, report=report)
     return {"plot": str(path)}

@@ -1,0 +1,28 @@
+"""Checks the commands run on their flags before any work, each raising a ValueError that names the flag."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
+    """Each integer --flag given (not None) is >= low."""
+    for flag in flags:
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v is not None and v < low:
+            raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
+
+
+def output_file(flag: str, path, example: str | None = None) -> None:
+    """An output file path (None: not given) that can be written: not a directory, not under a file."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        hint = f" such as {p / example}" if example else ""
+        raise ValueError(f"{flag} {path} is a directory; give a file path{hint}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; give another path")
+            break
