@@ -225,6 +225,35 @@ class K3Config:
         return K3Config.from_dict({**self.to_dict(), **changes})
 
 
+def read_config_file(path, flag: str = "--config") -> dict:
+    """The JSON object of config fields in `path` (K3ConfigError naming the flag and the file otherwise)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise K3ConfigError(f"{flag} {path}: no such file; give the path of a config JSON "
+                            "(`k3 config --preset NAME > FILE.json` writes one)") from None
+    except IsADirectoryError:
+        raise K3ConfigError(f"{flag} {path}: is a directory; give the path of a config JSON file") from None
+    except PermissionError:
+        raise K3ConfigError(f"{flag} {path}: permission denied; give a config JSON you can read") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise K3ConfigError(f"{flag} {path}: not valid JSON ({e}); give a JSON object of config fields, "
+                            "as `k3 config --preset NAME` prints") from None
+    if not isinstance(d, dict):
+        raise K3ConfigError(f"{flag} {path}: holds a JSON {type(d).__name__}, not an object of config fields; "
+                            "give one as `k3 config --preset NAME` prints")
+    return d
+
+
+def is_complete_config(d: dict) -> bool:
+    """Whether a config dict names every field (kda_norm_eps aside: from_dict fills it in for configs saved before
+    it existed). A complete one stands alone; a partial one is laid over something (a preset, a checkpoint's)."""
+    return set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} <= set(d)
+
+
 # ---------------------------------------------------------------------- presets
 PRESETS: dict[str, dict] = {
     # tests: well under 2M parameters, every feature on (KDA + MLA, block AttnRes, LatentMoE, shared expert)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3.config import PRESETS, K3Config, K3ConfigError, get_config
+from k3.config import PRESETS, K3Config, K3ConfigError, get_config, is_complete_config, read_config_file
 
 
 def add_config_args(p: argparse.ArgumentParser, default: str = "mini") -> None:
@@ -17,26 +17,8 @@ def add_config_args(p: argparse.ArgumentParser, default: str = "mini") -> None:
 
 def config_from_args(args: argparse.Namespace) -> K3Config:
     if getattr(args, "config", None):
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                base = json.load(f)
-        except FileNotFoundError:
-            raise K3ConfigError(f"--config {args.config}: no such file; give the path of a config JSON "
-                                "(`k3 config --preset NAME > FILE.json` writes one)") from None
-        except IsADirectoryError:
-            raise K3ConfigError(f"--config {args.config}: is a directory; give the path of a config JSON "
-                                "file") from None
-        except PermissionError:
-            raise K3ConfigError(f"--config {args.config}: permission denied; give a config JSON you can read") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise K3ConfigError(f"--config {args.config}: not valid JSON ({e}); give a JSON object of config fields, "
-                                "as `k3 config --preset NAME` prints") from None
-        if not isinstance(base, dict):
-            raise K3ConfigError(f"--config {args.config}: holds a JSON {type(base).__name__}, not an object of config "
-                                "fields; give one as `k3 config --preset NAME` prints")
-        # a complete config (as `k3 config` or a checkpoint writes it, kda_norm_eps aside: from_dict fills that
-        # in for configs saved before it existed) stands alone; a partial one is laid over --preset
-        if not set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} <= set(base):
+        base = read_config_file(args.config)
+        if not is_complete_config(base):  # a partial config is laid over --preset
             base = {**PRESETS[args.preset], **base}
     else:
         base = {**PRESETS[args.preset]}

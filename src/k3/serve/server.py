@@ -110,24 +110,16 @@ class EngineWorker:
 def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None,
                      config_path: str | os.PathLike | None = None, device: str = "cpu"):
     """(model, tokenizer, manifest) with every mismatch found now, not at the first request."""
-    from k3.config import K3Config
+    from k3.config import K3Config, is_complete_config, read_config_file
     from k3.train.checkpoint import check_config
     from k3.train.trainer import checkpoint_tokenizer, load_trained_model
 
     if config_path is not None:  # read before the model is loaded: a bad file is named at once
-        try:
-            want = json.loads(Path(config_path).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"--config {config_path}: not valid JSON ({e}); give a config JSON as `k3 config` "
-                             "prints it") from None
-        if not isinstance(want, dict):
-            raise ValueError(f"--config {config_path}: holds a JSON {type(want).__name__}, not an object of config "
-                             "fields")
+        want = read_config_file(config_path)
     model, manifest = load_trained_model(ckpt, device)
     if config_path is not None:
-        # a partial file names the fields to check, the rest are the checkpoint's (a complete one stands alone, as
-        # in `k3 train --config`; kda_norm_eps aside, which K3Config.from_dict fills in for older configs)
-        if not set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} <= set(want):
+        # a partial file names the fields to check, the rest are the checkpoint's (a complete one stands alone)
+        if not is_complete_config(want):
             want = {**(manifest.get("config") or {}), **want}
         check_config(manifest.get("config"), K3Config.from_dict(want), f"{manifest['path']}/manifest.json")
     return model, checkpoint_tokenizer(manifest, model.config.vocab_size, tokenizer_path), manifest
