@@ -265,6 +265,7 @@ def test_distill_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch
         (teach + ["--lr", "nan"], "--lr nan must be a positive number"),
         (teach + ["--batch-size", "0"], "--batch-size 0 must be a positive integer"),
         (teach + ["--max-context", "0"], "--max-context 0 must be a positive integer"),
+        (teach + ["--vocab-size", "256"], "use --vocab-size >= 273"),
         (teach + ["--resume", "--overwrite"], "give one"),
         (mopd + ["--temperature", "nan"], "--temperature nan must be a finite number > 0"),
         (mopd + ["--temperature", "inf"], "--temperature inf must be a finite number > 0"),

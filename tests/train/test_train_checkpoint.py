@@ -234,3 +234,32 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, where):
     assert not [p for p in root.iterdir() if p.name.startswith(".step_")]
     assert ckpt.latest_checkpoint(root).name == "step_000003"
     assert json.loads((root / "step_000003" / "manifest.json").read_text())["step"] == 3
+
+
+def test_a_checkpoint_that_records_only_its_tokenizer_hash_finds_the_tokenizer_above_it(tiny_data_dir, tmp_path):
+    """`k3 rl` / `k3 distill` checkpoints record extra.tokenizer_sha256 and keep tokenizer.json in the experiment
+    root: `k3 serve`, `k3 sample` and `--policy k3` find it there (and refuse another tokenizer given by path)."""
+    import shutil
+
+    import pytest
+
+    from k3.config import get_config
+    from k3.data import load_tokenizer
+    from k3.model.transformer import K3Model
+    from k3.train.checkpoint import save_checkpoint
+    from k3.train.trainer import checkpoint_tokenizer, load_trained_model
+
+    shutil.copy(tiny_data_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    model = K3Model(get_config("tiny"))
+    save_checkpoint(tmp_path / "run" / "checkpoint", 1, model, config=model.config,
+                    extra={"tokenizer_sha256": tok.fingerprint})
+    _, manifest = load_trained_model(tmp_path / "run" / "checkpoint")
+    assert checkpoint_tokenizer(manifest, 512).fingerprint == tok.fingerprint
+    (tmp_path / "tokenizer.json").rename(tmp_path / "elsewhere.json")
+    with pytest.raises(ValueError, match="does not name its tokenizer"):
+        checkpoint_tokenizer(manifest, 512)
+    _, manifest2 = load_trained_model(tmp_path / "run" / "checkpoint")
+    manifest2["extra"]["tokenizer_sha256"] = "0" * 64  # another tokenizer's hash: the one given is refused
+    with pytest.raises(ValueError, match="is not the one"):
+        checkpoint_tokenizer(manifest2, 512, tmp_path / "elsewhere.json")

@@ -177,15 +177,20 @@ def test_ctrl_c_saves_the_step_in_progress_and_resume_continues(tiny_data_dir, t
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(tiny_data_dir), "--out",
            str(out), "--batch-size", "2", "--seq-len", "32", "--eval-every", "0", "--threads", "1", "-q"]
-    p = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and p.poll() is None:
-        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3:
-            break
-        time.sleep(0.1)
-    p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=120)
+    # SIGINT as a terminal delivers it, even where this test runs with SIGINT ignored (a background job)
+    p = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3:
+                break
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
     assert p.returncode == 130, stderr[-2000:]
     assert "interrupt" in stderr and "Traceback" not in stderr
     step = int(stdout.split("trained to step ")[1].split()[0].rstrip(","))

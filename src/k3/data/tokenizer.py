@@ -216,6 +216,18 @@ def _texts(documents: Iterable) -> Iterator[str]:
         yield d if isinstance(d, str) else d[1]
 
 
+def check_vocab_size(vocab_size) -> None:
+    """A vocabulary size a tokenizer can be trained to (ValueError naming --vocab-size otherwise); commands call it
+    before the work that precedes training the tokenizer."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size = {vocab_size!r} is too small: byte-level BPE needs {N_BYTES} byte tokens + "
+                         f"{len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE}; use --vocab-size >= "
+                         f"{MIN_VOCAB_SIZE} (e.g. 8192)")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size = {vocab_size:,} is too large: at most {MAX_VOCAB_SIZE:,} (K3's vocabulary is "
+                         "163,840); the trainer would allocate memory for every entry up front")
+
+
 def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *,
                     path: str | os.PathLike | None = None, min_frequency: int = 2,
                     allow_short: bool = False, progress: bool = False) -> Tokenizer:
@@ -228,13 +240,7 @@ def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size = {vocab_size!r} is too small: byte-level BPE needs {N_BYTES} byte tokens + "
-                         f"{len(SPECIAL_TOKENS)} special tokens = {MIN_VOCAB_SIZE}; use --vocab-size >= "
-                         f"{MIN_VOCAB_SIZE} (e.g. 8192)")
-    if vocab_size > MAX_VOCAB_SIZE:
-        raise ValueError(f"vocab_size = {vocab_size:,} is too large: at most {MAX_VOCAB_SIZE:,} (K3's vocabulary is "
-                         "163,840); the trainer would allocate memory for every entry up front")
+    check_vocab_size(vocab_size)
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

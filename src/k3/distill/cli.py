@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from k3.cli_checks import at_least, output_file
+from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
 DEFAULT_TEACHERS = "runs/mopd/teachers"
@@ -159,6 +160,8 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     _check_rate("--teacher-lr", args.teacher_lr)
     config = config_from_args(args)
     config.replace(max_context=args.max_context)  # a bad --set or --max-context before the tokenizer is trained
+    if not args.tokenizer:
+        check_vocab_size(args.vocab_size)
     set_threads(args.threads)
     out = Path(args.out)
     budgets = _parse_budgets(args.budgets)

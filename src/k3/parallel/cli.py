@@ -103,7 +103,8 @@ def _check_before_launch(args: argparse.Namespace, dims) -> None:
     if not getattr(args, "out", None):
         return
     root = Path(args.out) / "checkpoint"
-    dcp, single = pckpt.latest(root) is not None, ckpt.latest_checkpoint(root) is not None
+    dcp = pckpt.latest(root) is not None
+    single = not dcp and ckpt.latest_checkpoint(root) is not None  # (its lookup warns on a DCP directory)
     if args.resume and not dcp:
         if single:
             raise ValueError(f"{root} holds a single-process checkpoint, not a distributed one; resume it without "

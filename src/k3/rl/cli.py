@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from k3.cli_checks import at_least, output_file
+from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
 
@@ -149,6 +150,7 @@ def cmd_warmstart(args) -> dict:
     _check_run_flags(args)
     at_least(args, 1, "--workers", "--batch", "--tasks-per-kind", "--demos-per-task", "--n-layers", "--max-context")
     at_least(args, 0, "--tokenizer-prompts", "--short-prompt-steps")
+    check_vocab_size(args.vocab_size)
     if args.preset not in PRESETS:
         raise ValueError(f"--preset {args.preset!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}")
     overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}

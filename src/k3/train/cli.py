@@ -305,6 +305,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _check_demo_dirs(Path(args.data), out)
     _check_writable(out)
     atomic_write_text(out / DEMO_MARK, "written by k3 demo, which replaces this directory's run when it starts\n")
+    for name in ("summary.json", "samples.txt"):  # the last demo's results, which this run replaces
+        (out / name).unlink(missing_ok=True)
     tty = sys.stderr.isatty()
     print(f"k3 demo: data in {args.data} (tokenizer + packed train/val splits; reused when present)", file=sys.stderr)
     try:
@@ -342,8 +344,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if result.interrupted:  # the checkpoint is saved; samples, plots and the summary are skipped
-        print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'}",
-              file=sys.stderr)
+        print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'} (a new "
+              "k3 demo starts over; `k3 sample`/`k3 eval --ckpt` read it)", file=sys.stderr)
         return 130
 
     samples = []

@@ -649,9 +649,9 @@ class Trainer:
                         emit(v, on_eval)
                 if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final):
                     saved_at = self.save()
-                if interrupt.requested:
+                if interrupt.requested and not final:  # a Ctrl-C during the last step: the run is complete
                     result.interrupted = True
-                    log.info("interrupted at step %d: saving a checkpoint (--resume continues from it)", self.step)
+                    log.info("interrupted at step %d: saving a checkpoint of it", self.step)
                     break
             if result.stopped_early and not (result.val and result.val[-1].get("step") == self.step):
                 v = self.run_eval()
@@ -723,6 +723,26 @@ def train(config: K3Config, train_data, val_data=None, out_dir: str | os.PathLik
     return trainer, trainer.fit(resume=resume, on_step=on_step, on_eval=on_eval)
 
 
+def _recorded_tokenizer_nearby(manifest: dict) -> str | None:
+    """For checkpoints that record only their tokenizer's sha256 (`k3 rl`, `k3 distill`: extra.tokenizer_sha256):
+    the tokenizer.json with that fingerprint in a directory above the checkpoint (an experiment root keeps it
+    there, e.g. ROOT/tokenizer.json beside ROOT/<run>/checkpoint/), else None."""
+    from k3.data import load_tokenizer
+
+    want = (manifest.get("extra") or {}).get("tokenizer_sha256")
+    if not want or not manifest.get("path"):
+        return None
+    for parent in list(Path(manifest["path"]).resolve().parents)[:4]:
+        candidate = parent / "tokenizer.json"
+        if candidate.is_file():
+            try:
+                if load_tokenizer(candidate).fingerprint == want:
+                    return str(candidate)
+            except ValueError:
+                continue
+    return None
+
+
 def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     """The tokenizer a trained model reads: `tokenizer_path`, else the one its manifest names; refused when its
     size is not the model's or it is not the tokenizer the training data was tokenized with (same size, other
@@ -730,7 +750,7 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     from k3.data import load_tokenizer
 
     data = manifest.get("data") or {}
-    tok_path = tokenizer_path or data.get("tokenizer")
+    tok_path = tokenizer_path or data.get("tokenizer") or _recorded_tokenizer_nearby(manifest)
     if not tok_path:
         raise ValueError(f"the checkpoint {manifest.get('path')} does not name its tokenizer; pass --tokenizer PATH")
     try:
@@ -743,7 +763,7 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                          f"{vocab_size}; pass the tokenizer the model was trained with")
-    trained = data.get("tokenizer_hash")
+    trained = data.get("tokenizer_hash") or (manifest.get("extra") or {}).get("tokenizer_sha256")
     if not trained and data.get("data_dir") and (Path(data["data_dir"]) / "train.json").is_file():
         trained = json.loads((Path(data["data_dir"]) / "train.json").read_text()).get("tokenizer_hash")
     if trained and trained != tokenizer.fingerprint:
