@@ -101,3 +101,18 @@ def test_sampled_kl_with_verifier_reward_runs(tmp_path, small_config, domain_tok
     rec = recs[0]
     assert rec["reward"] == 0.0 and set(rec["reverse_kl_by_cell"]) == {"arith/low", "text/high"}
     assert rec["reasoning_tokens"]["low"] <= 2 and rec["reasoning_tokens"]["high"] <= 4
+
+
+def test_loop_config_refuses_a_decay_past_the_run_and_a_nan_clip():
+    """decay_frac outside [0, 1] was clamped silently for library callers; grad_clip NaN passed `< 0`; inf, like 0,
+    means no clipping and is accepted."""
+    import math
+
+    import pytest
+
+    for bad in (2.0, -0.5):
+        with pytest.raises(ValueError, match="decay_frac"):
+            LoopConfig(steps=10, decay_frac=bad).validate()
+    with pytest.raises(ValueError, match="grad_clip"):
+        LoopConfig(steps=10, grad_clip=math.nan).validate()
+    LoopConfig(steps=10, grad_clip=math.inf, decay_frac=1.0).validate()

@@ -98,6 +98,7 @@ def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
         (warm + ["--batch", "0"], "--batch 0 must be a positive integer"),
         (warm + ["--demos-per-task", "0"], "--demos-per-task 0 must be a positive integer"),
         (warm + ["--vocab-size", "100"], "use --vocab-size >= 273"),
+        (warm + ["--grad-clip", "nan"], "--grad-clip nan must be a number >= 0"),
         (warm + ["--preset", "bogus"], "--preset 'bogus' is not a preset; choose one of"),
         (warm + ["--resume", "--overwrite"], "--resume continues the run and --overwrite starts it over; give one"),
         (warm + ["--resume"], "--resume: no checkpoint in"),

@@ -57,8 +57,10 @@ class LoopConfig:
                 raise ValueError(f"{name} = {v!r} must be an integer >= 0")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr = {self.lr!r} must be a positive number")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0:  # NaN too; inf is as good as 0 (no clipping)
             raise ValueError(f"grad_clip = {self.grad_clip} must be >= 0 (0 disables clipping)")
+        if not 0 <= self.decay_frac <= 1:
+            raise ValueError(f"decay_frac = {self.decay_frac} must be a fraction of the steps, in [0, 1]")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget = {self.token_budget} must be a positive number of tokens")
         self.schedule()

@@ -58,7 +58,7 @@ def _check_run_flags(args) -> None:
         raise ValueError(f"--lr {args.lr} must be a positive number")
     if not 0 <= args.decay_frac <= 1:
         raise ValueError(f"--decay-frac {args.decay_frac} must be a fraction of the steps, in [0, 1]")
-    if not (args.grad_clip >= 0 and math.isfinite(args.grad_clip)):
+    if not args.grad_clip >= 0:  # NaN refused; inf, like 0, does not clip
         raise ValueError(f"--grad-clip {args.grad_clip} must be a number >= 0 (0: no clipping)")
 
 
