@@ -118,3 +118,31 @@ def test_redteam_list_honours_json_quick_and_only(capsys):
     assert code == 2 and "names no attack" in err
     code, err = _err(capsys, "redteam", "--list", "--only", "nope")
     assert code == 2 and "unknown attack(s) ['nope']" in err
+
+
+def test_run_says_why_episodes_failed(tmp_path, capsys, monkeypatch):
+    """policy_error / sandbox_error episodes: the summary counts them, stderr says why (each message once)."""
+    import k3.agentenv.rollout as rollout
+    import k3.agentenv.sandbox as sandbox
+    from k3.agentenv.cli import error_report
+
+    def fake_rollouts(tasks, spec, n, **kw):
+        base = {"task_id": "t", "family": "sqlite", "dialect": "react", "reward": 0.0, "steps": 1,
+                "duration_s": 0.1, "parse_errors": 0}
+        return [dict(base, status="policy_error", error="HTTP 400: context_length_exceeded"),
+                dict(base, status="policy_error", error="HTTP 400: context_length_exceeded"),
+                dict(base, status="sandbox_error", error="bwrap: no permission"),
+                dict(base, status="finished", error=None)]
+
+    monkeypatch.setattr(rollout, "run_rollouts", fake_rollouts)
+    monkeypatch.setattr(sandbox, "check_sandbox", lambda: "ok")
+    code = main(["agentenv", "run", "--tasks", "sqlite-restock", "--policy", "noop", "--episodes", "4",
+                 "--out", str(tmp_path / "r.jsonl")])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "policy_error in 2 episodes: HTTP 400: context_length_exceeded" in err
+    assert "sandbox_error in 1 episode: bwrap: no permission" in err
+    many = [{"status": "policy_error", "error": f"e{i}"} for i in range(5)]
+    lines = error_report(many, limit=3)
+    assert len(lines) == 4 and lines[-1].startswith("... and 2 other error messages")
+    assert error_report([{"status": "finished"}]) == []

@@ -281,3 +281,33 @@ def test_eval_batch_count_is_what_eval_batches_yields(tiny_data_dir):
     val = load_data(tiny_data_dir).val
     for bs, t, cap in [(8, 64, None), (8, 64, 3), (3, 100, 7), (5, 32, 10_000), (1, 512, 2)]:
         assert eval_batch_count(val, bs, t, cap) == sum(1 for _ in eval_batches(val, bs, t, cap)), (bs, t, cap)
+
+
+def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeypatch):
+    """A Ctrl-C also reaches helper processes (torch.compile's workers); a step that fails because they died
+    ends the run as interrupted (KeyboardInterrupt, the CLI's exit 130), not with the step's error. Without a
+    Ctrl-C the same error propagates as itself."""
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is handled elsewhere in this process")
+    cfg, data = get_config("tiny"), fake_data()
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
+    real = t.train_step
+
+    def step():
+        if t.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the graceful handler only records it
+            raise RuntimeError("a compile worker died")
+        return real()
+
+    monkeypatch.setattr(t, "train_step", step)
+    with pytest.raises(KeyboardInterrupt, match="during step 3"):
+        t.fit(graceful_interrupt=True)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000002"  # the last whole step stays
+    t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=4)), data, None, tmp_path / "b")
+    monkeypatch.setattr(t2, "train_step", lambda: (_ for _ in ()).throw(RuntimeError("plain failure")))
+    with pytest.raises(RuntimeError, match="plain failure"):
+        t2.fit(graceful_interrupt=True)

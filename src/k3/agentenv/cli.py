@@ -161,7 +161,26 @@ def _run(args) -> int:
     else:
         print(format_summary(summary))
         print(f"trajectories: {args.out}")
+    for line in error_report(records):
+        print(line, file=sys.stderr)
     return 0
+
+
+def error_report(records: list[dict], limit: int = 3) -> list[str]:
+    """Why episodes ended in policy_error / sandbox_error: each distinct message once, with its count.
+
+    The summary table counts them; without this the reason is only in the trajectories file.
+    """
+    counts: dict[tuple[str, str], int] = {}
+    for r in records:
+        if r.get("status") in ("policy_error", "sandbox_error"):
+            key = (r["status"], str(r.get("error") or "no message recorded")[:400])
+            counts[key] = counts.get(key, 0) + 1
+    lines = [f"{status} in {n} episode{'s' if n > 1 else ''}: {msg}"
+             for (status, msg), n in sorted(counts.items(), key=lambda kv: -kv[1])[:limit]]
+    if len(counts) > limit:
+        lines.append(f"... and {len(counts) - limit} other error messages (see the trajectories file)")
+    return lines
 
 
 def _redteam(args) -> int:

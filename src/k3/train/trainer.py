@@ -661,6 +661,11 @@ class Trainer:
             saved_now = saved_at is not None and saved_at.name.endswith(f"_{self.step:06d}")
             if self.ckpt_dir is not None and result.losses and not saved_now:
                 saved_at = self.save()
+        except Exception as e:
+            if interrupt.requested:  # the Ctrl-C also reached helper processes (torch.compile's workers), whose
+                # death failed the step: an interruption, not an error (the last saved checkpoint stands)
+                raise KeyboardInterrupt(f"interrupted during step {self.step + 1} ({type(e).__name__})") from e
+            raise
         finally:
             interrupt.restore()
             if writer is not None:
