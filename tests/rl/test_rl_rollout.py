@@ -151,3 +151,29 @@ def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, mo
     monkeypatch.setattr(verify, "run_probe", slow)
     rec = run_episode(task, DemoPolicy(task), 5, cfg)
     assert rec["verifier"]["error_kind"] == "timeout" and classify(rec, P()) == (None, None)
+
+
+def test_an_interrupt_stops_the_episode_threads_before_it_propagates(tiny_rl_model, rl_tokenizer, rl_tasks):
+    """A Ctrl-C in the thread that runs the rollouts closes the lockstep engine and waits for the episode threads:
+    a daemon thread still inside the model when the interpreter exits aborted the process (exit 134)."""
+    import _thread
+    import threading
+    import time
+
+    started = threading.Event()
+
+    def ep(task, policy, seed, config):
+        if seed == 0:  # this episode interrupts the main thread, then keeps asking the engine
+            started.wait(10)
+            _thread.interrupt_main()
+            for _ in range(1000):
+                time.sleep(0.01)
+                policy.act([{"role": "user", "content": task.instruction}])
+        started.set()
+        while True:  # the other episodes generate until the engine is closed
+            policy.act([{"role": "user", "content": task.instruction}])
+
+    jobs = [Job(t, seed=k, sample_seed=k) for k, t in enumerate(rl_tasks["train"][:3])]
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs(tiny_rl_model, rl_tokenizer, jobs, episode_config("swap"), max_tokens=2, episode_fn=ep)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("k3-rl-episode-")]

@@ -50,6 +50,7 @@ class LockstepEngine:
         self.pending: dict[int, tuple] = {}
         self.results: dict[int, tuple] = {}
         self.rounds = 0
+        self.closed = False
         self._cond = threading.Condition()
 
     def client(self, i: int) -> Callable:
@@ -59,6 +60,8 @@ class LockstepEngine:
         with self._cond:
             if i not in self.live:
                 raise RuntimeError(f"episode {i} already left the lockstep engine")
+            if self.closed:
+                raise RuntimeError("the lockstep engine was closed (the run was interrupted)")
             self.pending[i] = (list(prompt_ids), params)
             self._maybe_run()
             while i not in self.results:
@@ -74,9 +77,19 @@ class LockstepEngine:
             self.pending.pop(i, None)
             self._maybe_run()
 
+    def close(self) -> None:
+        """No more rounds: every waiting and later `generate` raises, so the episode threads end. A round in
+        progress finishes first (it holds the lock)."""
+        with self._cond:
+            self.closed = True
+            for k in list(self.pending):
+                self.results[k] = RuntimeError("the lockstep engine was closed (the run was interrupted)")
+            self.pending.clear()
+            self._cond.notify_all()
+
     def _maybe_run(self) -> None:
         """With the lock held: run a round if everyone alive is waiting."""
-        if not self.pending or len(self.pending) < len(self.live):
+        if self.closed or not self.pending or len(self.pending) < len(self.live):
             return
         keys = sorted(self.pending)
         jobs = [self.pending.pop(k) for k in keys]
@@ -203,6 +216,16 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
             t.start()
         for t in threads:
             t.join()
+    except BaseException:
+        # a Ctrl-C (or any error) in this thread: stop the episodes before leaving. A daemon thread still inside
+        # the model's forward when the interpreter exits aborts the process ("terminate called without an
+        # active exception", exit 134 instead of the interruption's 130).
+        lock.close()
+        deadline = time.monotonic() + 60
+        for t in threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+        raise
     finally:
         model.train(was_training)
     log.debug("%d episodes in %.2fs, %d generation rounds", n, time.perf_counter() - t0, lock.rounds)
