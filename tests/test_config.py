@@ -30,6 +30,8 @@ BAD = [
     (dict(layer_pattern="KKXM"), "layer_pattern", "K and M"),
     (dict(attnres_sources=6), "attnres_sources", "fewer sources"),
     (dict(attnres_sources=1), "attnres_sources", ">= 2"),
+    (dict(attnres_sources=0), "attnres_sources", ">= 2"),  # not ">= 1", which 1 then fails
+    (dict(attnres_sources=0, attnres="none"), "attnres_sources", ">= 2"),
     (dict(attnres_sources=4), "attnres_sources", "attnres_sources = 3"),
     (dict(kda_heads=3), "kda_heads", "dividing d_model"),
     (dict(mla_heads=5), "mla_heads", "dividing d_model"),

@@ -136,7 +136,7 @@ class K3Config:
         positive = [
             "vocab_size", "d_model", "n_layers", "max_context", "kda_heads", "kda_head_dim",
             "kda_conv_size", "kda_gate_rank", "mla_heads", "mla_kv_lora_rank", "mla_qk_head_dim",
-            "mla_v_head_dim", "attnres_sources", "dense_ffn", "n_experts", "n_active_experts",
+            "mla_v_head_dim", "dense_ffn", "n_experts", "n_active_experts",
             "expert_ffn", "mla_every",
         ]
         for name in positive:
@@ -164,16 +164,18 @@ class K3Config:
                 bad("layer_pattern", "may only contain 'K' (KDA) and 'M' (MLA)", "use letters K and M")
         if self.attnres not in ("block", "full", "none"):
             bad("attnres", "is not one of block, full, none", "pick attnres = block | full | none")
+        v = self.attnres_sources
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:  # checked once: ">= 1" here would mislead
+            bad("attnres_sources", "must be an integer >= 2 (the embedding and at least one block)",
+                "set attnres_sources >= 2")
         if self.attnres == "block" and self.attnres_sources > self.n_layers + 1:  # only block mode reads it
             bad("attnres_sources", f"exceeds n_layers + 1 = {self.n_layers + 1} (embedding + one block per layer)",
                 "use fewer sources, or attnres = full for one source per sublayer")
-        if self.attnres == "block" and self.attnres_sources >= 2 and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
+        if self.attnres == "block" and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
             real = math.ceil(self.n_layers / self.attnres_block_size)
             bad("attnres_sources", f"asks for {self.attnres_blocks} blocks, but blocks of ceil({self.n_layers}/"
                 f"{self.attnres_blocks}) = {self.attnres_block_size} layers give only {real}",
                 f"use attnres_sources = {real + 1}, or a count whose blocks tile n_layers")
-        if self.attnres_sources < 2:
-            bad("attnres_sources", "must be at least 2 (the embedding and one block)", "set attnres_sources >= 2")
         if self.moe not in ("latent", "standard"):
             bad("moe", "is not one of latent, standard", "pick moe = latent | standard")
         if self.n_active_experts > self.n_experts:

@@ -279,6 +279,8 @@ def test_bad_input_raises_value_error_naming_the_shape():
         module.push(state, 0, torch.zeros(2, 3, D, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[B, T, D\] = \[2, 3, 16\], got \[2, 3, 8\]"):
         module.push(state, 0, torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match=r"sublayer 0\) expects .* in the layer's dtype torch.float32, got torch.float64"):
+        module.push(state, 0, torch.randn(2, 3, D, dtype=torch.float64))  # it passed, and final() came out fp64
     module.push(state, 0, torch.randn(2, 3, D))
     with pytest.raises(ValueError, match=r"out of order"):
         module.push(state, 0, torch.randn(2, 3, D))

@@ -87,6 +87,24 @@ def test_absorbed_equals_naive_prefill_and_decode(layer):
     torch.testing.assert_close(y_abs, y_naive, **TOL)
 
 
+@pytest.mark.parametrize("fmt,act", [("mxfp4", None), ("mxfp4", "mxfp8"), ("mxfp8", "mxfp8")])
+def test_absorbed_equals_naive_with_qat_linears(fmt, act):
+    """QAT on the linears: the absorbed decode reads wkv_b's weight directly, so it must fake-quantize it (and
+    the cached latent, wkv_b's input) as the naive path's QATLinear does; it used the full-precision weight."""
+    from k3.quant.fake import QATLinear
+
+    m = make(mla_kv_lora_rank=64)
+    for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "w_gate", "wo"):
+        setattr(m, name, QATLinear(getattr(m, name), fmt, act))
+    x = torch.randn(2, 8, 64)
+    torch.testing.assert_close(m(x, absorb=True), m(x, absorb=False), atol=1e-4, rtol=1e-4)
+    prefix = MLACache()
+    m(x[:, :7], prefix)
+    y_abs = m(x[:, 7:], MLACache(prefix.latent.clone()), absorb=True)
+    y_naive = m(x[:, 7:], MLACache(prefix.latent.clone()), absorb=False)
+    torch.testing.assert_close(y_abs, y_naive, atol=1e-4, rtol=1e-4)
+
+
 def test_absorbed_gradients_equal_naive():
     m = make().train()
     x = torch.randn(2, 6, 64)

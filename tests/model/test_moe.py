@@ -290,6 +290,27 @@ def test_errors_name_the_expected_shape():
         ex(torch.randn(3, 8, dtype=torch.float64), w, ids)
     with pytest.raises(ValueError, match=r"integer expert ids"):
         ex(torch.randn(3, 8), w, ids.float())
+    for bad_id in (4, -1):
+        with pytest.raises(ValueError, match=r"has experts 0..3, got expert ids from"):
+            ex(torch.randn(3, 8), w, torch.full((3, 2), bad_id))
+    with pytest.raises(ValueError, match="weights is a list"):
+        ex(torch.randn(3, 8), [[1.0, 1.0]] * 3, ids)
+    for layer, x in ((m, [[0.0] * cfg.d_model]), (m.router, [[0.0] * cfg.d_model])):
+        with pytest.raises(ValueError, match="got a list; pass a torch.Tensor"):
+            layer(x)
+    with pytest.raises(ValueError, match=r"Router expects .* in the layer's dtype torch.float32, got torch.float64"):
+        m.router(torch.randn(3, cfg.d_model, dtype=torch.float64))
+    ffn = SwiGLU(8, 16)
+    with pytest.raises(ValueError, match=r"SwiGLU expects x of shape \[\.\.\., 8\], got \(3, 7\)"):
+        ffn(torch.randn(3, 7))
+    with pytest.raises(ValueError, match=r"SwiGLU expects a float tensor"):
+        ffn(torch.zeros(3, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"SwiGLU expects .* in the layer's dtype"):
+        ffn(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="got a list"):
+        ffn([0.0] * 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ffn(torch.randn(3, 8).bfloat16()).shape == (3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast, bf16 tokens meet fp32 weights legitimately
         assert ex(torch.randn(3, 8).bfloat16(), w, ids).shape == (3, 8)
     with pytest.raises(ValueError, match="backend"):

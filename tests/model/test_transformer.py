@@ -54,6 +54,23 @@ def test_cache_holds_constant_kda_state_and_growing_latent():
     assert cache.nbytes() == kda_bytes + 15 * cfg.mla_kv_lora_rank * 4
 
 
+def test_cache_nbytes_is_the_memory_it_holds():
+    """After a prefill of many chunks, each KDA state owns its storage: a view into the chunk form's stacked
+    states kept the whole [chunks + 1] buffer alive while nbytes() counted one state."""
+    m = _model()
+    cache = m.new_cache()
+    with torch.no_grad():
+        m(torch.randint(0, m.config.vocab_size, (2, 600)), cache)
+    held, seen = 0, set()
+    for s in cache.slots:
+        for t in ((s.conv_state, s.state) if isinstance(s, KDACache) else (s.latent,)):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                held += st.nbytes()
+    assert held == cache.nbytes()
+
+
 def test_training_step_reduces_loss_and_all_params_get_grads():
     torch.manual_seed(0)
     m = K3Model(get_config("tiny")).train()
@@ -115,3 +132,39 @@ def test_bad_inputs():
         m(torch.zeros(1, m.config.max_context + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="new_cache"):
         m(torch.zeros(1, 3, dtype=torch.long), cache=type(m.new_cache())([]))
+
+
+@pytest.mark.parametrize("pattern", ["KKKK", "KKKM"])
+def test_merged_rows_split_back_to_their_own_lengths(pattern):
+    """Rows of 3 and 10 tokens merged, then split: each keeps its own length, also without an MLA latent to
+    read it from (a KDA-only cache said 10 for both, and refused to continue the short row near max_context)."""
+    from k3.model.cache import HybridCache
+
+    torch.manual_seed(0)
+    m = K3Model(get_config("tiny", layer_pattern=pattern, max_context=12)).eval()
+    a, b = m.new_cache(), m.new_cache()
+    ids = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        m(ids[:, :3], a)
+        m(torch.randint(0, 512, (1, 10)), b)
+        merged = HybridCache.merge([a, b])
+        assert merged.seen_tokens == 10 and merged.tokens_per_row() == [3, 10]
+        rows = merged.split()
+        assert [r.seen_tokens for r in rows] == [3, 10] and rows[0].row_tokens is None
+        got = m(ids[:, 3:], rows[0])  # 3 + 5 <= 12
+        full = m(ids)
+    torch.testing.assert_close(got, full[:, 3:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_of_another_layer_pattern_is_refused():
+    m = K3Model(get_config("tiny")).eval()
+    other = K3Model(get_config("tiny", layer_pattern="KKKK")).new_cache()
+    with pytest.raises(ValueError, match=r"cache slot \d is a KDACache, but layer \d is MLA"):
+        m(torch.randint(0, 512, (1, 4)), other)
+    kda = next(b.mixer for b in m.layers if b.kind == "K")
+    mla = next(b.mixer for b in m.layers if b.kind == "M")
+    x = torch.randn(1, 4, m.config.d_model)
+    with pytest.raises(ValueError, match="GatedMLA takes an MLACache, got a KDACache"):
+        mla(x, KDACache())
+    with pytest.raises(ValueError, match="KimiDeltaAttention takes a KDACache, got a MLACache"):
+        kda(x, MLACache())

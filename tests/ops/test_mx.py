@@ -319,6 +319,10 @@ def test_non_contiguous_and_empty_inputs():
         (lambda: dequantize_mx(torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "mxfp4",
                                dtype=torch.int8), "floating"),
         (lambda: dequantize_mx([0] * 32, torch.zeros(1, dtype=torch.uint8), "mxfp8"), "torch.Tensors"),
+        (lambda: dequantize_mx(torch.full((1, 32), 200, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8),
+                               "mxfp4"), "4-bit"),  # was an IndexError from the lookup table
+        (lambda: dequantize_mx(torch.zeros(1, 32, dtype=torch.uint8), torch.tensor(3, dtype=torch.uint8), "mxfp4"),
+         "need a last dim"),
         (lambda: pack_fp4(torch.zeros(3, dtype=torch.uint8)), "even"),
         (lambda: pack_fp4(torch.full((2,), 16, dtype=torch.uint8)), "0..15"),
     ],

@@ -185,7 +185,8 @@ class AttnRes(nn.Module):
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != state.shape:
             got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"AttnRes.push: output of sublayer {j} must have shape [B, T, D] = {list(state.shape)}, got {got}")
-        check_dtype(f"AttnRes.push (sublayer {j})", y, str(list(state.shape)))
+        # in the stream's dtype (the embedding's), unless autocast runs the sublayers in a lower precision
+        check_dtype(f"AttnRes.push (sublayer {j})", y, str(list(state.shape)), like=(state.completed or state.current)[0])
         if self.mode == "none":
             state.current[0] = state.current[0] + y
         else:

@@ -127,6 +127,10 @@ def _check_all_used(slots: list) -> None:
 class HybridCache:
     slots: list = field(default_factory=list)
     seen_tokens: int = 0
+    # tokens each row has seen, where rows differ (a merge of caches of different lengths); None: every row has
+    # seen `seen_tokens`. MLA latents also record it (their padding), KDA states do not, so a KDA-only cache
+    # relies on this to split back into its rows' lengths.
+    row_tokens: list[int] | None = None
 
     @classmethod
     def for_config(cls, config) -> "HybridCache":
@@ -143,15 +147,27 @@ class HybridCache:
         if len({len(c) for c in caches}) != 1:
             raise ValueError(f"caches have {sorted({len(c) for c in caches})} slots; merge caches of one model")
         slots = [type(group[0]).merge(list(group)) for group in zip(*(c.slots for c in caches))]
-        return cls(slots, max(c.seen_tokens for c in caches))
+        per_row = [n for c in caches for n in c.tokens_per_row()]
+        return cls(slots, max(c.seen_tokens for c in caches), per_row if len(set(per_row)) > 1 else None)
+
+    def tokens_per_row(self) -> list[int]:
+        """Tokens seen by each row (empty for a fresh cache)."""
+        if self.row_tokens is not None:
+            return list(self.row_tokens)
+        return [self.seen_tokens] * (self.batch_size or 0)
 
     def select(self, rows) -> "HybridCache":
         """A cache of only `rows` (a list or 1-d tensor of row indices), padding columns trimmed."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         out = HybridCache([s.select(rows.to(_device(s, rows))) for s in self.slots], self.seen_tokens)
-        widths = [s.length for s in out.slots if isinstance(s, MLACache) and not s.empty]
-        if widths:
-            out.seen_tokens = max(widths)
+        if self.row_tokens is not None:
+            kept = [self.row_tokens[i] for i in rows.tolist()]
+            out.seen_tokens = max(kept, default=0)
+            out.row_tokens = kept if len(set(kept)) > 1 else None
+        else:
+            widths = [s.length for s in out.slots if isinstance(s, MLACache) and not s.empty]
+            if widths:
+                out.seen_tokens = max(widths)
         return out
 
     def split(self) -> list["HybridCache"]:

@@ -6,6 +6,13 @@ import torch
 from k3.ops.amp import autocast_on
 
 
+def check_tensor(who: str, x, want: str) -> None:
+    """x must be a tensor at all (a list or an array fails here, before any shape check reads x.dim())."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{who} expects a float tensor x of shape {want}, got a {type(x).__name__}; "
+                         "pass a torch.Tensor")
+
+
 def check_dtype(who: str, x: torch.Tensor, want: str, like: torch.Tensor | None = None) -> None:
     """x must be a float tensor and, when `like` (a weight) is given, in like's dtype unless autocast is on
     for x's device (then the layer's matmuls cast for themselves). `want` describes the expected shape."""

@@ -80,6 +80,9 @@ class KimiDeltaAttention(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"KimiDeltaAttention expects x of shape {want}, got {shape}")
         check_dtype("KimiDeltaAttention", x, want, like=self.q_proj.weight)
+        if cache is not None and not isinstance(cache, KDACache):
+            raise ValueError(f"KimiDeltaAttention takes a KDACache, got a {type(cache).__name__}; make the "
+                             "model's cache with model.new_cache()")
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache)

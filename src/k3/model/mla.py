@@ -105,7 +105,13 @@ class GatedMLA(nn.Module):
         """Attend in latent space: q W_UK scores against c_kv directly, W_UV applied after the softmax."""
         B, T, H, K = q.shape
         S = c_kv.shape[1]
-        w = self.wkv_b.weight.view(H, K + self.v_head_dim, self.kv_lora_rank)
+        w = self.wkv_b.weight
+        if getattr(self.wkv_b, "weight_format", None) is not None:  # QAT on the linears: compute what the naive
+            from k3.quant.fake import fake_quant  # path's QATLinear computes (weight and input fake-quantized)
+
+            w = fake_quant(w, self.wkv_b.weight_format, dim=1)
+            c_kv = fake_quant(c_kv, self.wkv_b.act_format)
+        w = w.view(H, K + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :K], w[:, K:]
         q_latent = torch.einsum("bthk,hkc->bthc", q, w_uk)
         scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv) * self.softmax_scale
@@ -144,6 +150,9 @@ class GatedMLA(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"GatedMLA expects x of shape {want}, got {shape}")
         check_dtype("GatedMLA", x, want, like=self.wo.weight)
+        if cache is not None and not isinstance(cache, MLACache):
+            raise ValueError(f"GatedMLA takes an MLACache, got a {type(cache).__name__}; make the model's cache "
+                             "with model.new_cache()")
         if cache is not None and cache.latent is not None and cache.latent.shape[0] != x.shape[0]:
             raise ValueError(f"cache holds batch {cache.latent.shape[0]} but x has batch {x.shape[0]}; "
                              "use one cache per batch of sequences")

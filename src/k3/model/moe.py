@@ -23,13 +23,14 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype
+from k3.model.checks import check_dtype, check_tensor
 from k3.ops.amp import at_least_fp32, no_autocast
 from k3.quant.fake import fake_quant, qat_format
 
@@ -50,6 +51,11 @@ class SwiGLU(nn.Module):
                 nn.init.normal_(w, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d_in = self.w1.weight.shape[1]
+        check_tensor("SwiGLU", x, f"[..., {d_in}]")
+        if x.dim() == 0 or x.shape[-1] != d_in:
+            raise ValueError(f"SwiGLU expects x of shape [..., {d_in}], got {tuple(x.shape)}")
+        check_dtype("SwiGLU", x, f"[..., {d_in}]", like=self.w1.weight)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -92,9 +98,10 @@ class Router(nn.Module):
             return torch.sigmoid(F.linear(at_least_fp32(x), at_least_fp32(self.weight)))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        check_tensor("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]")
         if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
             raise ValueError(f"Router expects x of shape [B, T, {self.dim}] or [N, {self.dim}], got {tuple(x.shape)}")
-        check_dtype("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]")
+        check_dtype("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]", like=self.weight)
         s = self.scores(x).reshape(-1, self.n_experts)  # [N, E]
         bias = self.bias.float()
         biased = s.detach() + bias
@@ -310,6 +317,20 @@ def _grouped_backend(x: torch.Tensor, counts: torch.Tensor) -> str:
     return "slices"
 
 
+_EXPERTS_ON_META = contextvars.ContextVar("k3_routed_experts_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def routed_experts_on_meta():
+    """Within it, RoutedExperts put their stacked weights on the meta device (no memory, no init): for a model
+    whose routed experts are replaced right away (the packed MX model), the rest of it built as usual."""
+    token = _EXPERTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts dim -> ffn -> dim as stacked weights; forward(x [N, dim], weights [N, k], experts [N, k])
     -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, dim].
@@ -324,9 +345,10 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.n_experts, self.dim, self.ffn = n_experts, dim, ffn
         self.weight_format, self.act_format = weight_format, act_format
-        self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # gate
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, ffn))  # up
-        self.w2 = nn.Parameter(torch.empty(n_experts, ffn, dim))  # down
+        device = "meta" if _EXPERTS_ON_META.get() else None  # see routed_experts_on_meta
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn, device=device))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, ffn, device=device))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, ffn, dim, device=device))  # down
         self.impl = "grouped"
         self.backend = "auto"
         if self.w1.device.type != "meta":
@@ -334,11 +356,19 @@ class RoutedExperts(nn.Module):
                 nn.init.normal_(w, std=init_std)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        for name, t in (("x", x), ("weights", weights), ("experts", experts)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"RoutedExperts expects tensors x [N, {self.dim}], weights and experts [N, k]; "
+                                 f"{name} is a {type(t).__name__}")
         if x.dim() != 2 or x.shape[-1] != self.dim or experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
             raise ValueError(f"RoutedExperts expects x [N, {self.dim}] and weights, experts [N, k]; got "
                              f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
         if experts.is_floating_point() or experts.is_complex():
             raise ValueError(f"RoutedExperts expects integer expert ids [N, k], got dtype {experts.dtype}")
+        if experts.device.type == "cpu" and experts.numel() and (  # elsewhere this check would sync the host
+                int(experts.min()) < 0 or int(experts.max()) >= self.n_experts):
+            raise ValueError(f"RoutedExperts has experts 0..{self.n_experts - 1}, got expert ids from "
+                             f"{int(experts.min())} to {int(experts.max())}")
         w = self.expert_weights()
         check_dtype("RoutedExperts", x, f"[N, {self.dim}]", like=w[0])
         weights = weights.to(x.dtype)
@@ -440,6 +470,7 @@ class MoE(nn.Module):
         self.experts.impl = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("MoE", x, f"[B, T, d_model={self.d_model}]")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"MoE expects a float tensor x of shape [B, T, d_model={self.d_model}], "
                              f"got {tuple(x.shape)} {x.dtype}")

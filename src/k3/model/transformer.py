@@ -12,7 +12,7 @@ from torch import nn
 
 from k3.config import KDA, K3Config
 from k3.model.attnres import AttnRes
-from k3.model.cache import HybridCache
+from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoE, SwiGLU
@@ -82,6 +82,11 @@ class K3Model(nn.Module):
         if cache is not None and len(cache) != len(self.layers):
             raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
                              "make it with model.new_cache()")
+        if cache is not None:
+            for i, (kind, slot) in enumerate(zip(self.config.pattern, cache.slots)):
+                if not isinstance(slot, KDACache if kind == KDA else MLACache):
+                    raise ValueError(f"cache slot {i} is a {type(slot).__name__}, but layer {i} is "
+                                     f"{'KDA' if kind == KDA else 'MLA'}; make the cache with model.new_cache()")
         T = input_ids.shape[1]
         seen = cache.seen_tokens if cache is not None else 0
         if seen + T > self.config.max_context:
@@ -96,6 +101,8 @@ class K3Model(nn.Module):
             ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
         if cache is not None:
             cache.seen_tokens += T
+            if cache.row_tokens is not None:
+                cache.row_tokens = [n + T for n in cache.row_tokens]
         return self.norm(ar.final(state))
 
     def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:

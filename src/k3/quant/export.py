@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from k3.config import K3Config
-from k3.model.moe import RoutedExperts
+from k3.model.moe import RoutedExperts, routed_experts_on_meta
 from k3.ops.mx import dequantize_mx, quantize_mx
 from k3.quant.fake import BLOCK, qat_format
 from k3.train import checkpoint as ckpt
@@ -50,9 +50,14 @@ def packed_shapes(shape: tuple[int, int, int], fmt: str) -> tuple[tuple[int, ...
     return (E, n_out, width), (E, n_out, n_in // BLOCK)
 
 
-def pack_expert_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_expert_weight(w: torch.Tensor, fmt: str, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """w [E, n_in, n_out] -> (codes, scales) uint8, blocks along n_in (see `packed_shapes`)."""
     packed_shapes(tuple(w.shape), fmt)  # the error for dims that do not tile
+    finite = torch.isfinite(w.detach())
+    if not bool(finite.all()):  # NaN becomes the scale code 0xFF (refused on load), inf a block of +-inf weights
+        e = int((~finite).nonzero()[0, 0])
+        raise ValueError(f"routed-expert {name} holds {int((~finite).sum())} non-finite value(s) (NaN or inf), the "
+                         f"first in expert {e}; the checkpoint is damaged (a diverged run?): export an earlier one")
     return quantize_mx(w.detach().transpose(1, 2), fmt, BLOCK, packed=True)
 
 
@@ -79,6 +84,8 @@ class PackedRoutedExperts(RoutedExperts):
         self.impl, self.backend = "grouped", "auto"
         self.cache = False
         self._cached: tuple | None = None
+        # not saved; follows model.to(dtype) (the uint8 buffers do not), so the weights come out in the model's dtype
+        self.register_buffer("_dtype", torch.zeros(0, device=device), persistent=False)
         for name, shape in zip(EXPERT_WEIGHTS, ((n_experts, dim, ffn), (n_experts, dim, ffn), (n_experts, ffn, dim))):
             codes, scales = packed_shapes(shape, weight_format)
             self.register_buffer(f"{name}_codes", torch.zeros(codes, dtype=torch.uint8, device=device))
@@ -91,7 +98,7 @@ class PackedRoutedExperts(RoutedExperts):
                   device=experts.w1.device)
         new.impl, new.backend = experts.impl, experts.backend
         for name in EXPERT_WEIGHTS:
-            codes, scales = pack_expert_weight(getattr(experts, name), weight_format)
+            codes, scales = pack_expert_weight(getattr(experts, name), weight_format, name)
             getattr(new, f"{name}_codes").copy_(codes)
             getattr(new, f"{name}_scales").copy_(scales)
         return new
@@ -100,11 +107,12 @@ class PackedRoutedExperts(RoutedExperts):
         return [getattr(self, f"{n}_{part}") for n in EXPERT_WEIGHTS for part in ("codes", "scales")]
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = tuple((t.data_ptr(), t._version) for t in self.packed_tensors())
+        dtype = self._dtype.dtype
+        key = (dtype, *((t.data_ptr(), t._version) for t in self.packed_tensors()))
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        w = tuple(unpack_expert_weight(getattr(self, f"{n}_codes"), getattr(self, f"{n}_scales"), self.weight_format)
-                  for n in EXPERT_WEIGHTS)
+        w = tuple(unpack_expert_weight(getattr(self, f"{n}_codes"), getattr(self, f"{n}_scales"),
+                                       self.weight_format).to(dtype) for n in EXPERT_WEIGHTS)
         self._cached = (key, w) if self.cache else None
         return w
 
@@ -120,9 +128,12 @@ def pack_model(model) -> None:
     if fmt is None:
         raise ValueError("pack_model needs config.qat.expert_weights (mxfp4 or mxfp8): the packed model must "
                          "equal a fake-quant model built from the same config")
-    for moe in model.moe_layers():
+    for i, moe in enumerate(model.moe_layers()):
         if not isinstance(moe.experts, PackedRoutedExperts):
-            moe.experts = PackedRoutedExperts.from_experts(moe.experts, fmt)
+            try:
+                moe.experts = PackedRoutedExperts.from_experts(moe.experts, fmt)
+            except ValueError as e:
+                raise ValueError(f"MoE layer {i} (of {len(model.moe_layers())}): {e}") from None
 
 
 def build_packed_model(config: K3Config):
@@ -132,7 +143,8 @@ def build_packed_model(config: K3Config):
     fmt = qat_format(config, "expert_weights")
     if fmt is None:
         raise ValueError(f"{config.name}: a packed model needs config.qat.expert_weights (mxfp4 or mxfp8)")
-    model = K3Model(config)
+    with routed_experts_on_meta():  # no fp32 routed experts allocated (and initialised) only to be replaced
+        model = K3Model(config)
     for moe in model.moe_layers():
         e = moe.experts
         moe.experts = PackedRoutedExperts(e.n_experts, e.dim, e.ffn, fmt, e.act_format)

@@ -162,7 +162,7 @@ def _chunk_range(kq: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta: torch
         for n in range(N):
             torch.baddbmm(U[n], W[n], S_all[n], alpha=-1, out=D_all[n])
             torch.baddbmm(decay[n] * S_all[n], k_end[n], D_all[n], out=S_all[n + 1])
-        S_, S_all = S_all[N], S_all[:N]
+        S_, S_all = S_all[N].clone(), S_all[:N]  # a view would keep the whole [N + 1] buffer alive in the cache
     S_in = S_all.flatten(0, 1)                                                # [N*B*H, K, V] state entering chunks
     o = torch.baddbmm(qG.flatten(0, 2) @ S_in, A_qk.flatten(0, 2), D_all.flatten(0, 1),
                       beta=scale, alpha=scale)                                # q was left unscaled until here

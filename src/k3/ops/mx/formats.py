@@ -340,6 +340,9 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_siz
         codes = codes.view(torch.uint8)
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if codes.dim() == 0 or s.dim() == 0:
+        raise ValueError(f"codes and scales need a last dim (codes [..., n], scales [..., n / block_size]); got "
+                         f"shapes {tuple(codes.shape)} and {tuple(s.shape)}")
     if codes.shape[:-1] != s.shape[:-1]:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(s.shape)} differ in leading dims")
     n = s.shape[-1] * block_size
@@ -349,6 +352,9 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_siz
             f"codes last dim {codes.shape[-1]} does not match scales last dim {s.shape[-1]} x "
             f"block_size {block_size} = {n}" + (" (or half that, packed)" if f.name == "mxfp4" else "")
         )
+    if f.name == "mxfp4" and not packed and codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"unpacked mxfp4 codes are 4-bit (0..15), got {int(codes.max())}; packed codes (two per "
+                         f"byte) have a last dim of n / 2 = {n // 2}, not {codes.shape[-1]}")
     nb = s.numel()
     if nb == 0:  # no blocks (a zero-size dim): nothing to decode, and reshape(0, -1) is undefined
         return torch.empty(*s.shape[:-1], n, dtype=dtype, device=codes.device)
