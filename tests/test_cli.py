@@ -41,3 +41,11 @@ def test_output_into_a_socket_whose_reader_left_ends_quietly():
     finally:
         mine.close()
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-500:]
+
+
+def test_params_summary_line_says_when_no_layer_is_moe(capsys):
+    assert cli.main(["params", "--preset", "tiny"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("2/8 experts, latent 32")
+    assert cli.main(["params", "--preset", "tiny", "--set", "n_dense_layers=4"]) == 0
+    out = capsys.readouterr().out
+    assert "no MoE layer (every layer dense)" in out and "experts, latent" not in out

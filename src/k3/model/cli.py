@@ -48,7 +48,8 @@ def _fmt(n: int) -> str:
 def cmd_params(args: argparse.Namespace) -> int:
     from k3.model.accounting import build_meta, count_params
 
-    counts = count_params(build_meta(config_from_args(args)))
+    cfg = config_from_args(args)
+    counts = count_params(build_meta(cfg))
     if args.json:
         print(json.dumps(counts, indent=2))
         return 0
@@ -61,8 +62,9 @@ def cmd_params(args: argparse.Namespace) -> int:
     for comp, total, active in rows:
         print(f"{comp:<{c}}{total:>{w},}{active:>{w},}")
     print(f"total {_fmt(counts['total'])}, active {_fmt(counts['active'])}; "
-          f"{counts['layers']['kda']} KDA + {counts['layers']['mla']} MLA layers, "
-          f"{counts['active_experts']}/{counts['experts']} experts, latent {counts['latent_dim']}")
+          f"{counts['layers']['kda']} KDA + {counts['layers']['mla']} MLA layers, " + (
+              f"{counts['active_experts']}/{counts['experts']} experts, latent {counts['latent_dim']}"
+              if cfg.n_dense_layers < cfg.n_layers else "no MoE layer (every layer dense)"))
     return 0
 
 
