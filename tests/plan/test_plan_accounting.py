@@ -233,3 +233,15 @@ def test_activation_estimate_shrinks_with_checkpointing():
     ck = acc.activation_bytes_per_token(cfg, 2, checkpoint=True)
     assert ck["kept"] == 6 * cfg.d_model * cfg.n_layers * 2
     assert ck["peak"] < full["peak"]
+
+
+@pytest.mark.parametrize("tokens,chunk", [(1000, 64), (1024, 256), (5, 64), (64, 64), (129, 64)])
+def test_prefill_flops_in_chunks_equal_the_sum_over_chunks(tokens, chunk):
+    m = acc.build_meta(get_config("tiny"))
+    got = acc.prefill_flops(m, tokens, chunk, layers=range(2, 4))
+    want: dict = {}
+    for start in range(0, tokens, chunk):
+        f = acc.forward_flops(m, min(chunk, tokens - start), past=start, layers=range(2, 4))
+        for k, v in f.items():
+            want[k] = want.get(k, 0) + v
+    assert got == want

@@ -98,7 +98,7 @@ def test_serve_plan_keys_and_sums():
     assert {"bytes_read_per_token", "tokens_per_s_bound"} <= set(r["bandwidth"])
     assert {"a2a_bytes_per_token_per_moe_layer", "ep_a2a_bytes_per_decode_step", "pp_bytes_per_microbatch",
             "pp_bytes_per_microbatch_full_attnres", "tp_allreduce_bytes_per_decode_step"} <= set(r["communication"])
-    assert {"flops_per_token_forward", "flops_per_token_backward", "prefill_flops"} <= set(r["compute"])
+    assert {"flops_per_token_forward", "prefill_flops"} <= set(r["compute"])
     assert {"decode_per_token_bound_s", "ttft_bound_s", "tokens_per_s_bound"} <= set(r["latency"])
     assert r["communication"]["ep_a2a_bytes_per_decode_step"] == 0  # ep = 1: nothing leaves the GPU
 
@@ -249,3 +249,32 @@ def test_tied_embeddings_across_stages_are_refused_for_training_only():
         plan(tied, "h100", Layout(pp=2), Options(mode="train", context=256))
     plan(tied, "h100", Layout(pp=1), Options(mode="train", context=256))
     plan(tied, "h100", Layout(pp=2), Options(context=256))  # serving holds each stage's weights, nothing to sum
+
+
+def test_a_tied_table_is_also_the_last_stages_head():
+    """Serving with tied embeddings: the last stage holds the table as its head and reads it whole every decode
+    step (the planner put it on the first stage only, and counted a lookup of B rows)."""
+    untied, tied = get_config("tiny"), get_config("tiny", tie_embeddings=True)
+    opts = Options(context=256, batch=2)
+    a, b = plan(untied, "h100", Layout(pp=2), opts), plan(tied, "h100", Layout(pp=2), opts)
+    table = untied.vocab_size * untied.d_model * 2  # bf16
+    rows = 2 * untied.d_model * 2
+    sa, sb = a["stages"][1], b["stages"][1]
+    assert sb["memory"]["weights"] == sa["memory"]["weights"]  # the last stage: the head either way
+    assert sb["bandwidth"]["bytes_read_per_decode_step"] == sa["bandwidth"]["bytes_read_per_decode_step"]
+    # the first stage: the table, looked up
+    assert b["stages"][0]["memory"]["weights"] == a["stages"][0]["memory"]["weights"]
+    one = plan(tied, "h100", Layout(pp=1), opts)["stages"][0]
+    both = plan(untied, "h100", Layout(pp=1), opts)["stages"][0]
+    assert both["memory"]["weights"] - one["memory"]["weights"] == table  # one GPU: one matrix fewer
+    assert (both["bandwidth"]["bytes_read_per_decode_step"] - one["bandwidth"]["bytes_read_per_decode_step"]
+            == rows)  # ... and the same head read, less the lookup of the table it no longer has apart
+
+
+def test_serving_plans_have_no_backward_and_price_chunked_prefill():
+    r = plan(TINY, "h100", Layout(), Options(context=512, prefill_chunk=128))
+    assert "flops_per_token_backward" not in r["compute"]
+    explicit = sum(acc.forward_flops(TINY, 128, past=128 * k)["total"] for k in range(4))
+    assert r["compute"]["prefill_flops"] == explicit
+    one = plan(TINY, "h100", Layout(), Options(context=512, prefill_chunk=512))["compute"]["prefill_flops"]
+    assert one == acc.forward_flops(TINY, 512)["total"] < explicit  # each chunk re-expands earlier latents

@@ -357,6 +357,21 @@ def forward_flops(model_or_config, tokens: int, past: int = 0, batch: int = 1, a
     return t
 
 
+def prefill_flops(model_or_config, tokens: int, chunk: int, layers=None, include_head: bool = True) -> dict:
+    """Forward FLOPs of prefilling one sequence of `tokens` in chunks of `chunk` (the last one shorter), by term:
+    the sum of `forward_flops(chunk_k, past=start_k)` over the chunks, computed in closed form. Chunking
+    leaves every term but one as in a single call (the same tokens, the same causal (query, key) pairs); each
+    chunk's prefill-form MLA re-expands the latents of every earlier chunk (`mla_latent_up_past`)."""
+    if chunk <= 0:
+        raise ValueError(f"prefill chunk = {chunk} must be positive")
+    f = forward_flops(model_or_config, tokens, layers=layers, include_head=include_head)
+    per_past = forward_flops(model_or_config, 0, past=1, layers=layers, include_head=include_head)["mla_latent_up_past"]
+    n = -(-tokens // chunk)  # chunks; chunk k starts after k * chunk tokens
+    f["mla_latent_up_past"] += per_past * chunk * n * (n - 1) // 2
+    f["total"] = sum(v for k, v in f.items() if k != "total")
+    return f
+
+
 def flops_per_token(model_or_config, seq_len: int) -> dict:
     """Training FLOPs per token (forward + backward = 3 x forward) of sequences of `seq_len` tokens, the
     figure MFU divides by. Keys: total, params (the weight matmuls and the MoE combine), mla, kda, attnres,

@@ -92,15 +92,15 @@ def format_plan(r: dict) -> str:
         f"{comm['pp_sources_at_boundary_full_attnres']}")
     lines += ["", "compute"]
     row("FLOPs per token, forward", _flops(comp["flops_per_token_forward"]))
-    row("FLOPs per token, backward", _flops(comp["flops_per_token_backward"]))
     if r["mode"] == "train":
+        row("FLOPs per token, backward", _flops(comp["flops_per_token_backward"]))
         row(f"step time at peak (bubble {comp['pipeline_bubble']:.1%})", _time(comp["step_time_s"]))
         lines += ["", "latency"]
         row("step time bound (overlap) / serial", f"{_time(lat['step_time_bound_s'])} / {_time(lat['step_time_serial_s'])}")
         row("tokens/s bound (all replicas)", f"{lat['tokens_per_s_bound']:,.0f}")
     else:
         row("decode compute time per step", _time(comp["decode_time_s"]))
-        row(f"prefill FLOPs ({opt['context']:,} tokens)", _flops(comp["prefill_flops"]))
+        row(f"prefill FLOPs ({opt['context']:,} tokens, chunks of {opt['prefill_chunk']:,})", _flops(comp["prefill_flops"]))
         lines += ["", "latency"]
         row("decode per token, bound / serial", f"{_time(lat['decode_per_token_bound_s'])} / {_time(lat['decode_per_token_serial_s'])}")
         row("tokens/s bound (all replicas)", f"{lat['tokens_per_s_bound']:,.1f}")

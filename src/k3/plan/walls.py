@@ -192,9 +192,11 @@ def tp_splits(info: acc.ParamInfo) -> bool:
     return True
 
 
-def _on_stage(info: acc.ParamInfo, layers: range, n_layers: int) -> bool:
+def _on_stage(info: acc.ParamInfo, layers: range, n_layers: int, tied: bool = False) -> bool:
+    """Whether a stage holds the parameter. A tied embedding is also the head: the last stage holds a copy."""
     first, last = layers.start == 0, layers.stop == n_layers
-    return info.layer in layers or (first and info.layer == -1) or (last and info.layer == n_layers)
+    return info.layer in layers or (first and info.layer == -1) or (last and info.layer == n_layers) or (
+        last and tied and info.layer == -1)
 
 
 def _link(hw: Hardware, group_span: int) -> tuple[float, str]:
@@ -238,7 +240,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
 
     def fraction(layers: range):
         def f(info: acc.ParamInfo) -> float:
-            if not _on_stage(info, layers, L):
+            if not _on_stage(info, layers, L, cfg.tie_embeddings):
                 return 0.0
             if info.component == "moe_routed":
                 return 1.0 / ep
@@ -360,7 +362,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             # tokens reaching one expert-parallel group in a step: the busiest group's share, at least one (a
             # GPU that receives a token reads its experts even when there are fewer tokens than groups)
             group_tokens = max(1, math.ceil(B * dp / edp))
-            read = _decode_bytes(model, cfg, layers, frac, serve_prec, options, group_tokens, tp, B)
+            read = _decode_bytes(model, cfg, layers, frac, serve_prec, options, group_tokens, tp, B, last)
             bw_t = read["total"] / hw.hbm_bytes_s
             gpu_tokens = B / tp
             a2a = gpu_tokens * n_moe * a2a_tok * (ep - 1) / ep
@@ -375,7 +377,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
             })
             comm["total_s"] = comm["ep_a2a_s"] + comm["tp_allreduce_s"] + comm["pp_s"]
             # prefill of one request of N tokens (time to first token)
-            fp = acc.forward_flops(model, N, batch=1, layers=layers, include_head=last)
+            fp = acc.prefill_flops(model, N, options.prefill_chunk, layers=layers, include_head=last)
             pre_t = _compute_time(fp, hw, options, train=False) / tp
             pre_comm = (N / tp * n_moe * a2a_tok * (ep - 1) / ep / ep_bw
                         + 2 * 2 * (tp - 1) / tp * N * cfg.d_model * act_b * len(layers) / tp_bw
@@ -424,7 +426,7 @@ def plan(config: K3Config, hardware: Hardware | str, layout: Layout, options: Op
                             "detail": max(per_stage, key=lambda x: x["bandwidth"]["time_s"])["bandwidth"]["detail"]}
         out["communication"] = _public(max(per_stage, key=lambda x: x["communication"]["total_s"])["communication"])
         fwd_tok = sum(x["compute"]["flops_per_token_forward"] for x in per_stage)
-        out["compute"] = {"flops_per_token_forward": fwd_tok, "flops_per_token_backward": 2 * fwd_tok,
+        out["compute"] = {"flops_per_token_forward": fwd_tok,  # serving: no backward
                           "decode_time_s": sum(x["compute"]["decode_time_s"] for x in per_stage),
                           "prefill_flops": sum(x["compute"]["prefill_flops"] for x in per_stage),
                           "prefill_time_s": max(x["compute"]["prefill_time_s"] for x in per_stage)}
@@ -454,7 +456,8 @@ def _compute_time(f: dict, hw: Hardware, options: Options, train: bool) -> float
             + (f["total"] - f["matmul"] - f["matmul_routed"]) / bf16)
 
 
-def _decode_bytes(model, cfg, layers: range, frac, prec, options: Options, group_tokens: int, tp: int, B: int) -> dict:
+def _decode_bytes(model, cfg, layers: range, frac, prec, options: Options, group_tokens: int, tp: int, B: int,
+                  last: bool = True) -> dict:
     """HBM bytes one GPU reads in one decode step: its weights (routed experts only where some token of the
     step lands, expected under uniform routing), each sequence's MLA latents (every tp rank reads all of
     them) and its KDA states (read and written back, split over tp)."""
@@ -462,9 +465,12 @@ def _decode_bytes(model, cfg, layers: range, frac, prec, options: Options, group
     routed = w["by_component"].get("moe_routed", {}).get("bytes", 0.0)
     hit = 1.0 - (1.0 - cfg.n_active_experts / cfg.n_experts) ** group_tokens if routed else 0.0
     c = acc.cache_bytes(model, options.context, B, latent=options.cache_dtype, conv=options.act_dtype, layers=set(layers))
-    # the embedding is a lookup: a step reads B rows of it, not the table
+    # the embedding is a lookup: a step reads B rows of it, not the table; a tied table is also the head, which
+    # the last stage reads whole for the logits
     table = w["by_component"].get("embedding", {}).get("bytes", 0.0)
     rows = B * cfg.d_model * acc.element_bytes(prec.dense) / tp if table else 0.0
+    if cfg.tie_embeddings and last:
+        table = rows = 0.0
     out = {"weights_dense": w["bytes"] - routed - table + rows, "weights_routed_touched": routed * hit,
            "expert_hit_fraction": hit, "mla_latent": c["mla_latent"],
            "kda_state_read_write": 2 * (c["kda_state"] + c["kda_conv"]) / tp}
