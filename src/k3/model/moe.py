@@ -173,6 +173,10 @@ class Router(nn.Module):
             # about k/n of the tokens above their threshold for expert j (Su's beta_j, with b = -beta).
             c = _column_quantile(margins, self.top_k / self.n_experts, self._margin_bound(), self.quantile_bins)
             self.bias -= c.to(self.bias.dtype)
+            # a shift shared by every expert changes no token's top-k, so the mean is pinned to 0: in balance each
+            # c_j is a small positive number (the (q+1)-th margin of a column is a token's (k+1)-th expert, at
+            # exactly 0, so the midpoint sits above it), and without this every bias drifted down without bound
+            self.bias -= self.bias.mean()
         self._load_acc.zero_()
         self._margins = []
 
