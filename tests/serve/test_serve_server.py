@@ -485,3 +485,65 @@ def test_special_tokens_in_completions_and_chat(tiny_model_factory, serve_tokeni
                 extra_body={"skip_special_tokens": skip})
             m = r.choices[0].message
             assert m.content == b + c and m.model_extra.get("reasoning_content") == a, (skip, m)
+
+
+def _sequence_model(make, tok, parts):
+    """A tiny model that replies with `parts` (special tokens by name, the rest as text), one token per head call,
+    whatever the prompt; the last token repeats. One request at a time (max_batch=1)."""
+    ids = []
+    for p in parts:
+        ids += [tok.token_to_id(p)] if p.startswith("<|") else tok.encode(p, allow_special=False)
+    model, calls = make(), [0]
+
+    def hook(module, args, out):
+        out = out.clone()
+        out[..., ids[min(calls[0], len(ids) - 1)]] += 100.0
+        calls[0] += 1
+        return out
+
+    model.head.register_forward_hook(hook)
+    return model, calls
+
+
+@pytest.mark.parametrize("stop", [None, "thin", "<", "|", "end"])
+def test_chat_stop_strings_never_match_inside_markers(tiny_model_factory, serve_tokenizer, stop):
+    """The chat route keeps the marker tokens in the text it parses; a stop string that occurs in their markup
+    ("thin" in <|think|>) cut the reply there, losing the reasoning and the answer."""
+    parts = ["<|think|>", "plan", "<|/think|>", "hi there", "<|end|>"]
+    model, calls = _sequence_model(tiny_model_factory, serve_tokenizer, parts)
+    with serve(Engine(model, serve_tokenizer, max_batch=1, max_queue=4)) as url:
+        for stream in (False, True):
+            calls[0] = 0
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=16, temperature=0)
+            if stop:
+                kw["stop"] = stop
+            if not stream:
+                m = client(url).chat.completions.create(**kw).choices[0].message
+                content, reasoning = m.content, m.model_extra.get("reasoning_content")
+            else:
+                content, reasoning = "", ""
+                for ch in client(url).chat.completions.create(**kw, stream=True):
+                    d = ch.choices[0].delta
+                    content += d.content or ""
+                    reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            assert (content, reasoning) == ("hi there", "plan"), (stream, stop, content, reasoning)
+        # a stop string in the visible text still stops there, in the reasoning as in the answer
+        calls[0] = 0
+        m = client(url).chat.completions.create(**dict(kw, stop="there")).choices[0].message
+        assert (m.content, m.model_extra.get("reasoning_content")) == ("hi ", "plan")
+        calls[0] = 0
+        r = client(url).completions.create(model=MODEL, prompt="q", max_tokens=16, temperature=0, stop="thin",
+                                           extra_body={"skip_special_tokens": False})
+        # kept markers do not match either (completions do not end at <|end|>: it repeats to max_tokens)
+        assert r.choices[0].text.startswith("<|think|>plan<|/think|>hi there<|end|><|end|>")
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_tool_call_without_text_has_null_content(tiny_model_factory, serve_tokenizer):
+    parts = ["<|tool_call|>", '{"name": "f", "arguments": {"x": 1}}', "<|/tool_call|>", "<|end|>"]
+    model, _ = _sequence_model(tiny_model_factory, serve_tokenizer, parts)
+    with serve(Engine(model, serve_tokenizer, max_batch=1, max_queue=4)) as url:
+        r = client(url).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}],
+                                                max_tokens=32, temperature=0)
+    m = r.choices[0].message
+    assert m.content is None and m.tool_calls[0].function.name == "f" and r.choices[0].finish_reason == "tool_calls"

@@ -80,6 +80,7 @@ class Request:
     out_counts: torch.Tensor | None = None  # over the output alone (frequency and presence penalties)
     _tail: list[int] = field(default_factory=list)  # sampled ids not yet decoded (incomplete UTF-8)
     _sent: int = 0  # characters of `text` already delivered in events
+    _markers: list[tuple[int, int]] = field(default_factory=list)  # spans of kept special tokens in `text`
     _done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -330,12 +331,20 @@ class Engine:
             r.out_counts[tok] += 1
         p = r.params
         reason = None
+        special = tok < len(SPECIAL_TOKENS)
         if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"  # the end token itself is not part of the text
-        elif not (p.skip_special_tokens and tok < len(SPECIAL_TOKENS)):
+        elif special and SPECIAL_TOKENS[tok] in p.stop:
+            reason = "stop"  # a stop string that names a special token (e.g. "<|end|>") stops, kept or skipped
+        elif not special:
             r._tail.append(tok)
-        elif SPECIAL_TOKENS[tok] in p.stop:
-            reason = "stop"  # a stop string that names a skipped special token (e.g. "<|end|>") still stops
+        elif not p.skip_special_tokens and self.tokenizer is not None:
+            # a kept special token (the chat markers) is text the caller never sees as such: the text before it is
+            # complete, and no stop string may match inside its markup ("thin" in <|think|>)
+            self._flush_text(r, final=True)
+            start = len(r.text)
+            r.text += self.tokenizer.decode([tok], skip_special=False)
+            r._markers.append((start, len(r.text)))
         if reason is None and self._found_stop(r):
             reason = "stop"
         if reason is None and (len(r.output_ids) >= p.max_tokens
@@ -360,7 +369,13 @@ class Engine:
         if not r.params.stop:
             return False
         self._flush_text(r, final=False)
-        hits = [i for i in (r.text.find(s, r._sent) for s in r.params.stop) if i >= 0]
+        hits = []
+        for s in r.params.stop:
+            i = r.text.find(s, r._sent)
+            while i >= 0 and any(a < i + len(s) and i < b for a, b in r._markers):  # inside a marker's markup
+                i = r.text.find(s, i + 1)
+            if i >= 0:
+                hits.append(i)
         if not hits:
             return False
         r.text, r._tail = r.text[:min(hits)], []
@@ -368,8 +383,8 @@ class Engine:
 
     def _take_text(self, r: Request, final: bool) -> str:
         end = len(r.text)
-        if not final:
-            end -= _partial_stop(r.text, r.params.stop)
+        if not final:  # hold back what may be the start of a stop string, never a marker's markup
+            end = max(end - _partial_stop(r.text, r.params.stop), r._markers[-1][1] if r._markers else 0)
         delta = r.text[r._sent:end]
         r._sent = max(r._sent, end)
         return delta

@@ -489,7 +489,8 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         choices = []
         for i, r in enumerate(reqs):
             content, reasoning, calls = parse_reply(r.text)
-            msg = {"role": "assistant", "content": content}
+            # as OpenAI: content is null beside tool calls that came without text
+            msg = {"role": "assistant", "content": (content or None) if calls else content}
             if reasoning:
                 msg["reasoning_content"] = reasoning
             if calls:
