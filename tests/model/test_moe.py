@@ -339,6 +339,21 @@ def test_errors_name_the_expected_shape():
         grouped_swiglu(torch.randn(2, 8), torch.tensor([1, 1, 0, 0]), ex.w1, ex.w3, ex.w2, "cuda_magic")
 
 
+@pytest.mark.parametrize("impl,backend", [("naive", None), ("loop", None), ("grouped", "slices"), ("grouped", "bmm")])
+def test_no_tokens_give_zero_gradients_not_none(impl, backend):
+    """N = 0 (a rank whose batch routes nothing here): the output stays in the graph, so backward runs and every
+    expert weight gets a zero gradient (some paths returned a fresh tensor and backward raised)."""
+    ex = RoutedExperts(4, 8, 16)
+    ex.impl = impl
+    if backend:
+        ex.backend = backend
+    x = torch.randn(0, 8, requires_grad=True)
+    y = ex(x, torch.ones(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert all(w.grad is not None and not w.grad.any() for w in (ex.w1, ex.w3, ex.w2))
+
+
 def test_grouped_mm_takes_bf16_tokens_with_fp32_weights():
     """Under autocast the tokens reach the experts in bf16 while the weights stay fp32 parameters:
     the grouped_mm backend casts the weights (as autocast would) instead of failing on mixed dtypes."""

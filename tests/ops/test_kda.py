@@ -174,6 +174,18 @@ def test_no_overflow_under_extreme_decay():
     assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
 
 
+def test_a_decay_of_minus_infinity_forgets_exactly():
+    """alpha = 0 (g = -inf) at some steps: the naive form forgets the state there; the chunk form gave NaN."""
+    q, k, v, g, beta, h0 = make_inputs(T=130)
+    g = g.clone()
+    g[:, 5] = float("-inf")
+    g[:, 70, :, :3] = float("-inf")
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_ref) < TOL and rel_err(s, s_ref) < TOL
+
+
 def test_defaults_no_state_and_scale():
     q, k, v, g, beta, _ = make_inputs(T=70)
     o_ref, s_ref = fla_naive.naive_recurrent_kda(q, k, v, g, beta, scale=0.3)

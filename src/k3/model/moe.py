@@ -377,6 +377,8 @@ class RoutedExperts(nn.Module):
         check_dtype("RoutedExperts", x, f"[N, {self.dim}]", like=w[0])
         weights = weights.to(x.dtype)
         x = self.quant_act(x)
+        if x.shape[0] == 0:  # no tokens: an empty output that stays in the graph (zero gradients, not none)
+            return x.new_zeros(0, self.dim) + 0 * (x.sum() + weights.sum() + sum(t.sum() for t in w))
         if self.impl == "naive":
             return self._naive(x, weights, experts, *w)
         if self.impl == "loop":

@@ -214,6 +214,9 @@ def chunk_kda(
     S_ = torch.zeros(B * H, K, V, dtype=dtype, device=q.device) if initial_state is None \
         else initial_state.to(dtype).flatten(0, 1)
     q, k, g, v, beta = (x.to(dtype) for x in (q, k, g, v, beta.unsqueeze(-1)))
+    # a decay of exactly -inf (alpha = 0) made -inf - -inf = NaN in the cumulative-sum differences; below -1e4
+    # exp() is 0 in fp64 already, so the floor changes no value (nor a gradient: the decay's is 0 there too)
+    g = g.clamp(min=-1e4)
     o = torch.empty(B, N * C, H, V, dtype=dtype, device=q.device)
     o_chunks = o.view(B, N, C, H, V).permute(1, 0, 3, 2, 4)                  # [N, B, H, C, V] view of o
     # blocks of chunks: each block is laid out, computed and written out while its intermediates are in
