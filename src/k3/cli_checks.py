@@ -26,3 +26,13 @@ def output_file(flag: str, path, example: str | None = None) -> None:
             if not parent.is_dir():
                 raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; give another path")
             break
+
+
+def output_dir(flag: str, path) -> None:
+    """An output directory path (None: not given) that can be made or used: not a file, not under a file."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a directory")
+    output_file(flag, p / "x")  # the parents

@@ -272,15 +272,26 @@ def test_distill_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch
         (mopd + ["--eval-n", "-1"], "--eval-n -1 must be an integer >= 0"),
         (mopd + ["--resume", "--overwrite"], "--resume continues the run and --overwrite starts it over; give one"),
         (mopd + ["--match-tokens", nowhere], f"--match-tokens {nowhere}: no {nowhere}/metrics.jsonl; give the --out"),
+        (mopd + ["--reward-coef", "nan"], "--reward-coef nan must be a number >= 0"),
+        (mopd + ["--max-answer-tokens", "0"], "--max-answer-tokens 0 must be a positive integer"),
+        (mopd + ["--per-cell", "0"], "--per-cell 0 must be a positive integer"),
+        (["distill", "mopd", "--teachers", nowhere, "--out", str(dirpath / "f"), "-q"], "is a file; give a directory"),
+        (teach[:-3] + ["--out", str(dirpath / "f"), "-q"], "is a file; give a directory"),
         (ev + ["--n", "0"], "--n 0 must be a positive integer"),
         (ev + ["--n", "-1"], "--n -1 must be a positive integer"),
         (ev + ["--gap-run", nowhere], f"--gap-run {nowhere}: no {nowhere}/metrics.jsonl"),
         (ev + ["--out", str(dirpath)], f"--out {dirpath} is a directory; give a file path"),
         (ev + ["--markdown", str(dirpath)], f"--markdown {dirpath} is a directory; give a file path"),
+        (ev + ["--model", "teacher=x"], "the name 'teacher' names the teachers' column"),
+        (ev + ["--gap-run", str(dirpath)], "has no evaluation records with teacher gaps (it was trained with --eval-n 0)"),
+        (ev + ["--model", "base=x"], "names the shared base's column (pass --no-base to use it)"),
+        (ev + ["--model", "a=x", "--model", "a=y"], "the name 'a' is given twice"),
         (gen + ["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
         (gen + ["--temperature", "inf"], "--temperature inf must be a finite number >= 0"),
         (gen + ["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
     ]
+    (dirpath / "f").write_text("mine")
+    (dirpath / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')  # a run without evaluations
     for argv, says in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -317,3 +328,24 @@ def test_distill_errors_name_the_distill_fix(tmp_path, capsys, trained_teachers,
     err = capsys.readouterr().err
     assert "is not a valid k3 tokenizer" in err and "k3 distill teachers" in err and "`k3 tokenize" not in err
 
+
+
+def test_rerun_teachers_with_other_schedule_or_fewer_steps_is_refused(tmp_path, capsys, domain_tokenizer):
+    """A rerun with another --lr / --teacher-lr, or fewer steps than a stage was trained for, reported every stage
+    "already trained" and wrote the new values into teachers.json."""
+    t = tmp_path / "t"
+    argv = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer", str(domain_tokenizer.path),
+            "--out", str(t), "--cells", "arith/low", "--batch-size", "2", "--max-context", "128",
+            "--budgets", "low=2,medium=3,high=4", "--threads", "1", "-q"]
+    assert main(argv + ["--base-steps", "2", "--steps", "1"]) == 0
+    info = json.loads((t / "teachers.json").read_text())
+    capsys.readouterr()
+    for extra, says in ((["--base-steps", "2", "--steps", "1", "--lr", "1e-2"], "lr"),
+                        (["--base-steps", "2", "--steps", "1", "--teacher-lr", "1e-4"], "lr"),
+                        (["--base-steps", "1", "--steps", "1"], "steps 2 (now 1)")):
+        assert main(argv + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert "was trained with other settings" in err and says in err, err
+    assert json.loads((t / "teachers.json").read_text()) == info
+    assert main(argv + ["--base-steps", "2", "--steps", "1"]) == 0  # the same flags: every stage already trained
+    assert "already trained" in capsys.readouterr().out

@@ -127,7 +127,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                        failures=failures)
     wall = time.perf_counter() - t0
 
-    from k3.ablate.report import aggregate, json_safe
+    from k3.ablate.report import aggregate, format_ci, json_safe
 
     summary = aggregate(plan, results)
     summary["failed"] = sorted(failures.values(), key=lambda f: f["run"])
@@ -156,7 +156,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                 continue
             for c in g["claims"]:
                 print(f"{name:<10} {c['verdict']:<13} {c['id']}  ({c['a']} - {c['b']} {c['metric']}: "
-                      f"{c['diff_mean']:+.4f} [{c['ci95'][0]:+.4f}, {c['ci95'][1]:+.4f}])")
+                      f"{format_ci(c['diff_mean'], c['ci95'])})")
         print(f"results   {paths['markdown']}  {paths['json']}")
         print(f"plots     {'  '.join(str(p) for p in paths['plots'])}")
         print(f"time      {wall / 60:.1f} min wall, {len(results)} runs")

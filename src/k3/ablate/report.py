@@ -134,7 +134,7 @@ def _pm(stat: dict | None, fmt: str = "{:.4f}") -> str:
     return s + (f" ± {fmt.format(stat['std'])}" if stat.get("std") is not None else " (1 seed)")
 
 
-def _ci(mean: float, ci: list[float], fmt: str = "{:+.4f}") -> str:
+def format_ci(mean: float, ci: list[float], fmt: str = "{:+.4f}") -> str:
     if mean is None or math.isnan(mean):
         return "–"
     if not all(math.isfinite(x) for x in ci):
@@ -161,7 +161,7 @@ def markdown(summary: dict, header: str = "") -> str:
             lines.append(
                 f"| {label}{' (baseline)' if label == g['baseline'] else ''} | {len(r['seeds'])} | "
                 f"{_pm(r.get('val_loss'))} | {_pm(r.get('val_bpb'))} | "
-                f"{_ci(d['mean'], d['ci95']) if d else '–'} | {_pm(r.get('load_max_mean'), '{:.2f}')} | "
+                f"{format_ci(d['mean'], d['ci95']) if d else '–'} | {_pm(r.get('load_max_mean'), '{:.2f}')} | "
                 f"{_pm(r.get('load_max_mean_val'), '{:.2f}')} | "
                 f"{_pm(r.get('active_params'), '{:,.0f}').split(' ±')[0]} | "
                 f"{_pm(r.get('moe_payload'), '{:,.0f}').split(' ±')[0]} | {_pm(r.get('seconds'), '{:.0f}')} |")
@@ -198,7 +198,7 @@ def _claims_md(claims: list[dict]) -> list[str]:
                      + (f"{c['margin']:.4f}" if c.get("margin") is not None else "n/a (gain not significant)"))
         fmt = "{:+.4f}" if "acc" not in c["metric"] else "{:+.3f}"
         out.append(f"| {c['text']} ({c['source']}) | {c['a']} − {c['b']} ({c['metric']}, {c['kind']}{extra}) | "
-                   f"{_ci(c['diff_mean'], c['ci95'], fmt)} | **{c['verdict']}** |")
+                   f"{format_ci(c['diff_mean'], c['ci95'], fmt)} | **{c['verdict']}** |")
     return out
 
 

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_file
+from k3.cli_checks import at_least, output_dir, output_file
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
@@ -158,6 +158,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     at_least(args, 0, "--warmup-steps", "--ckpt-every")
     _check_rate("--lr", args.lr)
     _check_rate("--teacher-lr", args.teacher_lr)
+    output_dir("--out", args.out)
     config = config_from_args(args)
     config.replace(max_context=args.max_context)  # a bad --set or --max-context before the tokenizer is trained
     if not args.tokenizer:
@@ -203,7 +204,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     teacher_lr = args.lr if args.teacher_lr is None else args.teacher_lr
 
     def lc(steps: int, lr: float) -> LoopConfig:
-        return LoopConfig(steps=steps, lr=lr, warmup_steps=min(args.warmup_steps, steps), seed=args.seed,
+        return LoopConfig(steps=steps, lr=lr, warmup_steps=args.warmup_steps, seed=args.seed,
                           keep_last=1, weight_decay=0.0, ckpt_every=args.ckpt_every)
 
     def stage(name: str, model, examples, steps: int, lr: float, stage_extra: dict) -> None:
@@ -211,9 +212,12 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         latest = ckpt.latest_checkpoint(run / "checkpoint")
         if latest is not None and not args.overwrite:
             manifest = ckpt.read_manifest(latest, verify=False)
-            want = {"seed": args.seed, "batch_size": args.batch_size, **stage_extra}
+            want = {"seed": args.seed, "batch_size": args.batch_size, "lr": lr,
+                    "warmup_steps": args.warmup_steps, **stage_extra}
             have = manifest.get("data") or {}
             changed = [f"{k} {have[k]!r} (now {v!r})" for k, v in want.items() if k in have and have[k] != v]
+            if int(manifest["step"]) > steps:  # teachers.json would record fewer steps than it was trained for
+                changed.append(f"steps {manifest['step']} (now {steps})")
             if changed:
                 raise ValueError(f"{run} was trained with other settings: {'; '.join(changed)}. Pass the same flags, "
                                  "or --overwrite to retrain every stage")
@@ -354,6 +358,10 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     _check_resume_overwrite(args)
     _check_temperature(args.temperature, greedy_ok=False)
     at_least(args, 0, "--eval-n")
+    at_least(args, 1, "--steps", "--per-cell", "--max-answer-tokens")
+    if not args.reward_coef >= 0:  # NaN too (it switched the reward off)
+        raise ValueError(f"--reward-coef {args.reward_coef} must be a number >= 0 (0: no verifier reward)")
+    output_dir("--out", args.out)
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
@@ -369,7 +377,7 @@ def cmd_mopd(args: argparse.Namespace) -> int:
         if not recs:
             raise ValueError(f"--match-tokens {args.match_tokens}: its metrics.jsonl has no training records")
         token_budget = int(recs[-1]["tokens"])
-    lc = LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
+    lc = LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                     seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
                     token_budget=token_budget, keep_last=2).validate()
     student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
@@ -411,6 +419,24 @@ def cmd_mopd(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- k3 distill eval
+def _model_names(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--model NAME=PATH pairs; a name may not repeat, nor take the table's own columns (teacher, and base
+    unless --no-base), whose results it would replace."""
+    taken, out = {"teacher"} | (set() if args.no_base else {"base"}), []
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--model {item!r}: expected NAME=PATH (a run directory or checkpoint)")
+        if name in taken:
+            why = "names the teachers' column" if name == "teacher" else (
+                "names the shared base's column (pass --no-base to use it)" if name == "base" and not args.no_base
+                else "is given twice")
+            raise ValueError(f"--model {item!r}: the name {name!r} {why}; pick another name")
+        taken.add(name)
+        out.append((name, path))
+    return out
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
@@ -426,7 +452,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     at_least(args, 1, "--n")
     for flag, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)):
         output_file(flag, path)
+    _model_names(args)
     gap_metrics = _run_metrics("--gap-run", args.gap_run) if args.gap_run else None
+    if gap_metrics is not None and not any(r.get("kind") == "eval" and r.get("gap") for r in read_metrics(gap_metrics)):
+        raise ValueError(f"--gap-run {args.gap_run}: the run has no evaluation records with teacher gaps (it was "
+                         "trained with --eval-n 0); name a run trained with --eval-n > 0, or drop --gap-run")
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
     budgets = info["budgets"]
@@ -434,10 +464,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     named = []
     if not args.no_base:
         named.append(("base", Path(args.teachers) / info["base"]))
-    for item in args.model:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--model {item!r}: expected NAME=PATH (a run directory or checkpoint)")
+    for name, path in _model_names(args):
         named.append((name, Path(path)))
     fixes = {} if args.no_base else {0: "retrain the teachers' shared base with `k3 distill teachers --out "
                                          f"{args.teachers}`, or pass --no-base"}

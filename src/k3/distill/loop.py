@@ -75,8 +75,9 @@ class LoopConfig:
         return dataclasses.asdict(self)
 
 
-# Settings a resumed run must share with the run it continues.
-RESUME_FIELDS = ("seed", "optimizer")
+# Settings a resumed run must share with the run it continues (the learning-rate schedule's among them: a resumed
+# run repeats the uninterrupted one). `steps` is not one of them: a run may be continued to more steps.
+RESUME_FIELDS = ("seed", "optimizer", "lr", "warmup_steps", "decay_frac", "min_lr_ratio", "weight_decay", "grad_clip")
 
 
 class StepLoop:

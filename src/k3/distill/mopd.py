@@ -295,8 +295,10 @@ class MOPDConfig:
             raise ValueError(f"kl = sampled with temperature = {self.temperature}: the sampled reverse-KL gradient is "
                              "unbiased only for samples from the student itself (temperature 1); use temperature 1 "
                              "or kl = full")
-        if self.reward_coef < 0:
-            raise ValueError(f"reward_coef = {self.reward_coef} must be >= 0")
+        if not self.reward_coef >= 0:  # NaN too
+            raise ValueError(f"reward_coef = {self.reward_coef} must be a number >= 0")
+        if not isinstance(self.max_answer_tokens, int) or self.max_answer_tokens < 1:
+            raise ValueError(f"max_answer_tokens = {self.max_answer_tokens!r} must be a positive integer")
         if self.reward_coef > 0 and self.mode != "on-policy":
             raise ValueError("the verifier reward (reward_coef > 0) needs on-policy samples; use mode on-policy")
         if self.reward_coef > 0 and self.temperature != 1.0:
