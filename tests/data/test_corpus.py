@@ -185,3 +185,22 @@ def test_tokenizer_training_cuts_very_long_lines_and_refuses_a_huge_vocabulary()
     assert pieces == ["head\n", "x" * LONG_LINE, "x" * LONG_LINE, "x" * 5, "tail"]
     with pytest.raises(ValueError, match="too large"):
         train_tokenizer(["text"], MAX_VOCAB_SIZE + 1)
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path, caplog):
+    """A name in another encoding (a surrogate escape in Python) stopped the whole corpus with an encode error that
+    named no file."""
+    import os
+
+    d = tmp_path / "d"
+    d.mkdir()
+    with open(os.path.join(os.fsencode(d), b"caf\xe9.txt"), "wb") as f:
+        f.write(b"text\n" * 5)
+    for i in range(4):
+        (d / f"f{i}.txt").write_text(f"doc {i}\n")
+    for spec in (str(d), str(d / "*.txt")):
+        c = open_corpus(spec, val_fraction=0.3)
+        names = [n for split in ("train", "val") for n, _ in c.documents(split)]
+        assert sorted(names) == [f"f{i}.txt" for i in range(4)]
+        assert c.fingerprint()
+    assert "caf\\xe9.txt: its name is not UTF-8" in caplog.text

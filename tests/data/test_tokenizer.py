@@ -102,3 +102,16 @@ def test_foreign_tokenizer_is_rejected(tmp_path):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="retrain"):
         Tokenizer(hf)
+
+
+def test_text_with_a_lone_surrogate_is_a_clear_error(tmp_path):
+    """`k3 sample --prompt $'ab\\xff'` reaches encode as 'ab\\udcff' (Python's surrogate escape): tokenizers raised a
+    TypeError ("TextInputSequence must be str") and the CLI printed a traceback."""
+    from k3.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["plain text for a tokenizer"] * 40, 300, path=tmp_path / "t.json", allow_short=True)
+    with pytest.raises(ValueError, match=r"lone surrogate at character 2 \('ab' before it\)"):
+        tok.encode("ab\udcff")
+    with pytest.raises(ValueError, match="must be a str, got bytes"):
+        tok.encode(b"ab")
+    assert tok.decode(tok.encode("ab")) == "ab"

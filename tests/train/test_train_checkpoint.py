@@ -121,6 +121,44 @@ def test_corrupted_file_is_named(tmp_path):
         ckpt.load_checkpoint(path, Net())
 
 
+@pytest.mark.parametrize("field,value,says", [
+    ("step", "x", "field 'step' is 'x', not a step count"),
+    ("step", -1, "field 'step' is -1"),
+    ("config", [], "field 'config' is list, not an object"),
+    ("data", None, "field 'data' is NoneType, not an object"),
+    ("model_aliases", None, "field 'model_aliases' is NoneType"),
+    ("model_aliases", {"a": 1}, "field 'model_aliases' must map tensor names to tensor names"),
+    ("rng", [], "field 'rng' is list"),
+    ("rng", {}, "field 'rng' is not a saved random state"),
+])
+def test_manifest_fields_of_the_wrong_type_are_named(tmp_path, field, value, says):
+    """Valid JSON with a field of the wrong type gave KeyError / TypeError / AttributeError tracebacks, or (config
+    null) skipped the config check; the manifest is not covered by the file hashes."""
+    model = Net()
+    opt = build_optimizer(model, "adamw")
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt, config={"d": 1})
+    m = json.loads((path / "manifest.json").read_text())
+    m[field] = value
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ckpt.CheckpointError, match=r"manifest\.json: " + says.replace("(", r"\(").replace(")", r"\)")):
+        ckpt.load_checkpoint(tmp_path, Net(), build_optimizer(Net(), "adamw"))
+
+
+def test_the_model_loads_without_its_optimizer_file(tmp_path):
+    """Deleting optimizer.safetensors (to save space) made the model unloadable for eval and sampling; resuming
+    training still needs it and says so."""
+    model = Net()
+    opt = build_optimizer(model, "adamw")
+    _train(model, opt, 1)
+    path = ckpt.save_checkpoint(tmp_path, 1, model, opt)
+    (path / "optimizer.safetensors").unlink()
+    other = Net()
+    ckpt.load_checkpoint(tmp_path, other)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    with pytest.raises(ckpt.CheckpointError, match=r"optimizer\.safetensors: missing"):
+        ckpt.load_checkpoint(tmp_path, Net(), build_optimizer(Net(), "adamw"))
+
+
 def test_config_and_shape_mismatch_are_named(tmp_path):
     model = Net()
     ckpt.save_checkpoint(tmp_path, 1, model, config=get_config("tiny"))

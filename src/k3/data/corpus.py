@@ -221,6 +221,12 @@ def _file_entries(files: list[tuple[str, Path]]) -> list[_Entry]:
     entries: list[_Entry] = []
     for name, path in files:
         try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # a file name in another encoding: documents are named by their UTF-8 path
+            log.warning("skipping %s: its name is not UTF-8 (rename it to include it)",
+                        os.fsencode(path).decode("utf-8", "backslashreplace"))
+            continue
+        try:
             if path.stat().st_size == 0:
                 continue
         except OSError as err:  # a broken symlink, a file gone since the listing

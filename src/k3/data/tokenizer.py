@@ -96,7 +96,17 @@ class Tokenizer:
     def encode(self, text: str, *, bos: bool = False, eos: bool = False, allow_special: bool = True) -> list[int]:
         """Token ids of `text`. With `allow_special=False`, strings such as "<|eos|>" inside `text` are
         encoded as plain bytes (use this for untrusted or corpus text)."""
-        ids = self._encoder(allow_special or "<|" not in text).encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._encoder(allow_special or "<|" not in text).encode(text, add_special_tokens=False).ids
+        except TypeError:  # tokenizers' "TextInputSequence must be str": a lone surrogate (bytes not UTF-8)
+            if not isinstance(text, str):
+                raise ValueError(f"the text to encode must be a str, got {type(text).__name__}") from None
+            bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate at character {bad} "
+                             f"({text[max(0, bad - 10):bad]!r} before it), e.g. bytes that are not UTF-8 on the "
+                             "command line; pass UTF-8 text") from None
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_batch(self, texts: Sequence[str], *, bos: bool = False, eos: bool = False,

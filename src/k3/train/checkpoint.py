@@ -269,8 +269,9 @@ def _prune(root: Path, keep_last: int, protect: str) -> None:
 
 
 # ---------------------------------------------------------------------- load
-def read_manifest(ckpt: str | os.PathLike, verify: bool = True) -> dict:
-    """Parse and (by default) verify a checkpoint directory's manifest and file hashes."""
+def read_manifest(ckpt: str | os.PathLike, verify: bool | str = True) -> dict:
+    """Parse and (by default) verify a checkpoint directory's manifest and file hashes; verify="model" checks
+    every file but the optimizer state (for loading the model alone)."""
     ckpt = Path(ckpt)
     path = ckpt / MANIFEST
     if not ckpt.is_dir():
@@ -290,6 +291,15 @@ def read_manifest(ckpt: str | os.PathLike, verify: bool = True) -> dict:
             raise CheckpointError(f"{path}: field {key!r} is missing; {way_out}")
     if manifest["format"] != FORMAT:
         raise CheckpointError(f"{path}: field 'format' is {manifest['format']!r}, expected {FORMAT!r}")
+    step = manifest["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: field 'step' is {step!r}, not a step count; {way_out}")
+    for key in ("config", "rng", "data", "extra", "model_aliases"):  # objects where present (config: or null,
+        value = manifest.get(key, {})  # as a checkpoint saved without a config records it)
+        if not isinstance(value, dict) and not (key == "config" and value is None):
+            raise CheckpointError(f"{path}: field {key!r} is {type(value).__name__}, not an object; {way_out}")
+    if not all(isinstance(a, str) and isinstance(t, str) for a, t in manifest.get("model_aliases", {}).items()):
+        raise CheckpointError(f"{path}: field 'model_aliases' must map tensor names to tensor names; {way_out}")
     files = manifest["files"]
     if not (isinstance(files, dict) and MODEL_FILE in files and all(
             isinstance(e, dict) and {"bytes", "sha256"} <= set(e) for e in files.values())):
@@ -298,6 +308,8 @@ def read_manifest(ckpt: str | os.PathLike, verify: bool = True) -> dict:
     if verify:
         for fname, entry in files.items():
             fpath = ckpt / fname
+            if fname == OPTIM_FILE and verify == "model":  # reading the model only: the optimizer may be gone
+                continue
             if not fpath.is_file():
                 raise CheckpointError(f"{fpath}: missing (listed in the manifest)")
             size = fpath.stat().st_size
@@ -342,7 +354,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         if found is None:
             raise CheckpointError(f"{path}: no complete checkpoint in this directory")
         path = found
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, verify=True if optimizer is not None else "model")
     check_config(manifest.get("config"), config, str(path / MANIFEST))
     if model is not None:
         tensors = _load_tensors(path / MODEL_FILE, map_location)
@@ -368,7 +380,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(f"{path / OPTIM_FILE}: does not fit this optimizer ({e})") from None
     if restore_rng and "rng" in manifest:
-        set_rng_state(manifest["rng"])
+        try:
+            set_rng_state(manifest["rng"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path / MANIFEST}: field 'rng' is not a saved random state ({type(e).__name__}: "
+                                  f"{e}); the checkpoint is corrupted: resume from an earlier step or start over") from None
     manifest["path"] = str(path)
     return manifest
 
