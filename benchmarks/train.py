@@ -4,7 +4,8 @@
 
 Runs the real Trainer (fp32 on CPU, bf16 autocast on CUDA) on random tokens (throughput does not depend on
 the text). After warm-up steps, `--steps` timed steps give tokens/s (median step) and MFU against the
-measured peak of a 2048^2 matmul in the same process (k3.train.metrics). The same steps are split into
+measured rate of a 2048^2 matmul in the same process (on a CPU the median of runs before and after the steps,
+whose rate moves with other work on the machine). The same steps are split into
 KDA, MLA, MoE, AttnRes, dense MLP, embedding/head, the optimizer and the rest with
 k3.train.profiling.ComponentTimer (forward: timed calls; backward: gradient hooks at each component's
 output and input; AttnRes backward: the gaps between components). Shares are medians over the timed
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from k3.benchtools import RandomTokens, bench_out, loadavg, machine, write_result, positive_int
+from k3.benchtools import RandomTokens, bench_out, loadavg, machine, matmul_peak, positive_int, write_result
 from k3.config import get_config
 from k3.train.metrics import measured_peak_flops
 from k3.train.profiling import ComponentTimer
@@ -51,7 +52,10 @@ def main(argv=None) -> dict:
     trainer = Trainer(config, tc, data)
     timer = ComponentTimer(trainer.model, sync=trainer.device.type == "cuda")
     machine_before = machine()
-    peak = measured_peak_flops(trainer.device, torch.bfloat16 if trainer.device.type == "cuda" else torch.float32)
+    cpu = trainer.device.type == "cpu"
+    # on a CPU shared with other work the matmul rate moves within minutes: it is measured before and after the
+    # steps and the median of the two is the peak (as benchmarks/moe.py does); on a GPU one bf16 measurement
+    peak_runs = [matmul_peak(5)] if cpu else []
     for _ in range(args.warmup):
         trainer.train_step()
     times, shares = [], defaultdict(list)
@@ -75,6 +79,11 @@ def main(argv=None) -> dict:
     # synchronisations at every component) would slow the steps it times
     times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
     dt = statistics.median(times)
+    if cpu:
+        peak_runs.append(matmul_peak(5))
+        peak = statistics.median(r["median_gflops"] for r in peak_runs) * 1e9
+    else:
+        peak = measured_peak_flops(trainer.device, torch.bfloat16)
     tokens = B * T
     flops = trainer.flops_per_token * tokens / dt
     breakdown = {}
@@ -108,12 +117,14 @@ def main(argv=None) -> dict:
         "flops_per_token": trainer.flops_per_token,
         "achieved_flops": flops,
         "peak_flops_measured": peak,
+        "matmul_peak_runs": peak_runs,
         "mfu": round(flops / peak, 4),
         "breakdown": breakdown,
         "breakdown_accounted_share": round(accounted, 4),
         "definitions": {
             "mfu": "model FLOPs per token (k3.train.metrics.flops_per_token: 6 x active non-embedding params + "
-                   "attention/KDA/AttnRes terms) x tokens/s / measured 2048^2 matmul FLOP/s; tokens/s and the "
+                   "attention/KDA/AttnRes terms) x tokens/s / measured 2048^2 matmul FLOP/s (CPU: the median of "
+                   "runs before and after the steps, each the median of 5); tokens/s and the "
                    "step times from timed_steps steps run without the component profiler, after the profiled ones",
             "share": "median over timed steps of (forward + backward s) / step s; backward from gradient hooks "
                      "at component boundaries, AttnRes backward = gaps between components (includes the "

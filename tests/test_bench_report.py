@@ -21,9 +21,12 @@ def test_partial_rerun_keeps_earlier_rows_and_machine_lines(load_benchmark, tmp_
     new = report.render(tmp_path, old)
     # an earlier run's values stay, under today's label and target; keys no longer reported are dropped
     label, target = next((lab, t) for k, lab, t in report.HEADLINES["kda"] if k == "speedup_vs_fla_naive_chunk")
-    assert f"| kda | {label} (`speedup_vs_fla_naive_chunk`) | 12 | {target} |" in new
+    # ... and say so in the row itself, not only in the machine list
+    assert f"| kda | {report.KEPT} {label} (`speedup_vs_fla_naive_chunk`) | 12 | {target} |" in new
     qat_label = next(lab for k, lab, t in report.HEADLINES["qat"] if k == "settings.k3.recovery")
-    assert f"| qat | {qat_label} (`settings.k3.recovery`) | 10,149 |  |" in new and "settings.gone" not in new
+    assert f"| qat | {report.KEPT} {qat_label} (`settings.k3.recovery`) | 10,149 |  |" in new
+    assert "settings.gone" not in new and new.count(report.KEPT) == 2  # the rerun moe row is not marked
+    assert report.render(tmp_path, new) == new  # a rebuild does not stack the mark
     assert "old MoE row" not in new and "| 1.5 | >= 3x |" in new
     assert "- `moe`: hostB, 2, torch 2.13.0+cpu" in new
     assert "- `kda`: hostA, 2, torch 2.13.0+cpu (earlier run)" in new
