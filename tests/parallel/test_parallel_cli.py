@@ -107,3 +107,46 @@ def test_train_checks_data_and_out_before_torchrun(tmp_path, capsys, monkeypatch
     code, err = train("--set", "vocab_size=512", "--data", str(data), "--out", str(tmp_path / "new"),
                       "--batch-size", "3")
     assert code == 2 and "does not split over 2 data-parallel ranks" in err
+
+
+def test_train_checks_layout_context_out_and_resume_before_torchrun(tmp_path, capsys, monkeypatch):
+    """Tied embeddings under --pp, a --seq-len past max_context, an --out that cannot be written and a resume with
+    another config were refused by every rank after the launch (with --ep-redundant, as a placement error)."""
+    import json
+    import subprocess
+    import sys
+
+    from k3.config import get_config
+    from k3.data import prepare_data
+    from k3.parallel.checkpoint import FORMAT
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    data = tmp_path / "data"
+    prepare_data(data, vocab_size=512, max_bytes=40_000)
+
+    def train(*argv):
+        argv = ["train", "--preset", "tiny", "--nproc", "2", "--steps", "2", "--batch-size", "2", "--data", str(data),
+                *argv]
+        monkeypatch.setattr(sys, "argv", ["k3", *argv])
+        code = main(argv)
+        return code, capsys.readouterr().err
+
+    new = ["--out", str(tmp_path / "new")]
+    code, err = train("--seq-len", "16", "--pp", "2", "--set", "tie_embeddings=true", *new)
+    assert code == 2 and "--set tie_embeddings=false" in err and err.count("\n") == 1
+    max_context = get_config("tiny").max_context
+    code, err = train("--seq-len", str(max_context + 1), *new)
+    assert code == 2 and f"--seq-len {max_context + 1} exceeds the model's max_context" in err
+    (tmp_path / "afile").write_text("")
+    code, err = train("--seq-len", "16", "--out", str(tmp_path / "afile" / "o"))
+    assert code == 2 and "is not writable" in err and "pass another --out" in err
+    step = tmp_path / "old" / "checkpoint" / "step_000002"
+    step.mkdir(parents=True)
+    other = get_config("tiny", n_experts=4)
+    (step / "k3.json").write_text(json.dumps({"format": FORMAT, "step": 2, "config": other.to_dict(),
+                                              "train": {"batch_size": 2, "seq_len": 16, "accum": 1, "seed": 0},
+                                              "expert_loads": [[1.0] * 4] * 3}))
+    (step.parent / "latest").write_text("step_000002")
+    for extra in ([], ["--ep", "2", "--ep-redundant", "1"]):
+        code, err = train("--seq-len", "16", "--out", str(tmp_path / "old"), "--resume", *extra)
+        assert code == 2 and "model config differs from this run's in ['n_experts']" in err, err

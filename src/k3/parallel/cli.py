@@ -92,16 +92,19 @@ def _check_before_launch(args: argparse.Namespace, dims) -> None:
     from k3.model.cli import config_from_args
     from k3.parallel import checkpoint as pckpt
     from k3.parallel.pipeline import stage_layers
-    from k3.parallel.train import check_parallel_settings
+    from k3.parallel.train import check_parallel_settings, check_resume_meta
     from k3.train import checkpoint as ckpt
-    from k3.train.cli import _train_config, _with_qat, load_data_dir
+    from k3.train.cli import _data_info, _train_config, _with_qat, load_data_dir
+    from k3.train.trainer import _check_writable
 
     config = _with_qat(config_from_args(args), args)
     tc = _train_config(args)
     stage_layers(config.n_layers, dims.pp)  # a --pp that cannot split the layers
-    check_parallel_settings(config, tc, dims, load_data_dir(args.data).train)
+    files = load_data_dir(args.data)
+    check_parallel_settings(config, tc, dims, files.train)
     if not getattr(args, "out", None):
         return
+    _check_writable(Path(args.out))
     root = Path(args.out) / "checkpoint"
     dcp = pckpt.latest(root) is not None
     single = not dcp and ckpt.latest_checkpoint(root) is not None  # (its lookup warns on a DCP directory)
@@ -114,6 +117,8 @@ def _check_before_launch(args: argparse.Namespace, dims) -> None:
     if not args.resume and (dcp or single) and not args.overwrite:
         raise ValueError(f"{root} already holds a checkpoint; pass --resume to continue it, --overwrite to start "
                          "over, or another --out")
+    if args.resume:  # before --ep-redundant places experts from the checkpoint's loads (for its own expert count)
+        check_resume_meta(pckpt.read_meta(root), config, tc, _data_info(files))
 
 
 def _holds_dcp(out) -> bool:
@@ -178,7 +183,10 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
             from k3.parallel.train import placements_from_loads
 
             if args.resume:
+                from k3.parallel.train import check_resume_meta
+
                 meta = read_meta(Path(args.out) / "checkpoint")
+                check_resume_meta(meta, config, tc, _data_info(files))  # its loads are for its own experts
                 if not meta.get("expert_loads"):
                     raise ValueError(f"{meta['path']} records no expert loads to place experts from; resume once "
                                      "without --ep-redundant and use the next checkpoint")

@@ -144,6 +144,13 @@ def check_parallel_settings(config: K3Config, tc: TrainConfig, dims, train_data=
     before torchrun starts so that the user sees one line instead of one per rank and torchrun's traceback."""
     if dims.pp > config.n_layers:
         raise ValueError(f"--pp {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
+    if dims.pp > 1 and config.tie_embeddings:
+        raise ValueError("tie_embeddings shares one matrix between the first stage (embedding) and the last "
+                         "(head), which pipeline training does not reduce across stages; use --pp 1 or "
+                         "--set tie_embeddings=false")
+    if tc.seq_len > config.max_context:
+        raise ValueError(f"--seq-len {tc.seq_len} exceeds the model's max_context = {config.max_context}; use "
+                         f"--seq-len <= {config.max_context}")
     if tc.optimizer != "adamw":
         raise ValueError(f"--optimizer {tc.optimizer} with FSDP: Muon orthogonalises whole matrices and FSDP shards "
                          "them; use --optimizer adamw for distributed runs")
@@ -160,6 +167,26 @@ def check_parallel_settings(config: K3Config, tc: TrainConfig, dims, train_data=
 
         check_dataset(train_data, "training", config, tc.batch_size, tc.seq_len, tc.seed,
                       min_tokens=tc.batch_size * tc.seq_len + 1)
+
+
+def check_resume_meta(meta: dict, config: K3Config, tc: TrainConfig, data_info: dict | None) -> None:
+    """What a distributed checkpoint (its meta) must share with the run that resumes it: the model config, the
+    batch shape, accumulation and seed, and the data. Checked by the ranks and, once, by the launcher."""
+    have, want = meta.get("config") or {}, config.to_dict()
+    if have != want:
+        diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
+        raise ValueError(f"{meta['path']}: the checkpoint's model config differs from this run's in {diff}; "
+                         "resume with the same --preset/--set")
+    for k in ("batch_size", "seq_len", "accum", "seed"):
+        if meta["train"][k] != getattr(tc, k):
+            raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
+                             f"{getattr(tc, k)!r} now; resume with the same {k}")
+    data, data_info = meta.get("data") or {}, data_info or {}
+    for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
+        if k in data and k in data_info and data[k] != data_info[k]:
+            raise ValueError(f"{meta['path']}: the checkpoint was trained on data with {k} {data[k]!r}, this "
+                             f"run's data has {data_info[k]!r}; resume with --data "
+                             f"{data.get('data_dir', 'DIR')} (the data it was trained on), or start a new run")
 
 
 class ParallelTrainer:
@@ -323,21 +350,7 @@ class ParallelTrainer:
             raise ValueError(f"{path} holds a single-process checkpoint, not a distributed one; resume it without "
                              "--nproc (or start a new distributed run with another --out)")
         meta = pckpt.read_meta(path)  # checked before any collective load: a mismatch is a clear error, not DCP's
-        if meta.get("config") != self.config.to_dict():
-            diff = sorted(k for k in set(meta.get("config") or {}) | set(self.config.to_dict())
-                          if (meta.get("config") or {}).get(k) != self.config.to_dict().get(k))
-            raise ValueError(f"{meta['path']}: the checkpoint's model config differs from this run's in {diff}; "
-                             "resume with the same --preset/--set")
-        for k in ("batch_size", "seq_len", "accum", "seed"):
-            if meta["train"][k] != getattr(self.tc, k):
-                raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
-                                 f"{getattr(self.tc, k)!r} now; resume with the same {k}")
-        data = meta.get("data") or {}
-        for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
-            if k in data and k in self.data_info and data[k] != self.data_info[k]:
-                raise ValueError(f"{meta['path']}: the checkpoint was trained on data with {k} {data[k]!r}, this "
-                                 f"run's data has {self.data_info[k]!r}; resume with --data "
-                                 f"{data.get('data_dir', 'DIR')} (the data it was trained on), or start a new run")
+        check_resume_meta(meta, self.config, self.tc, self.data_info)
         meta = pckpt.load(path, self.model, self.optimizer, self.ctx)
         for g, lr in zip(self.optimizer.param_groups, self._peak_lrs):
             g["peak_lr"] = lr
