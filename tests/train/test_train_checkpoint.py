@@ -301,3 +301,14 @@ def test_a_checkpoint_that_records_only_its_tokenizer_hash_finds_the_tokenizer_a
     manifest2["extra"]["tokenizer_sha256"] = "0" * 64  # another tokenizer's hash: the one given is refused
     with pytest.raises(ValueError, match="is not the one"):
         checkpoint_tokenizer(manifest2, 512, tmp_path / "elsewhere.json")
+
+
+def test_latest_naming_a_distributed_checkpoint_is_not_called_incomplete(tmp_path, caplog):
+    """A distributed checkpoint (k3.parallel's k3.json, no manifest) is complete: looking for a single-process one
+    beside it finds none without warning of a crash; a step dir with neither file still gets the warning."""
+    (tmp_path / "step_000006").mkdir()
+    (tmp_path / "step_000006" / "k3.json").write_text("{}")
+    (tmp_path / "latest").write_text("step_000006")
+    assert ckpt.latest_checkpoint(tmp_path) is None and "not a complete checkpoint" not in caplog.text
+    (tmp_path / "step_000006" / "k3.json").unlink()
+    assert ckpt.latest_checkpoint(tmp_path) is None and "not a complete checkpoint" in caplog.text

@@ -163,7 +163,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
         if _STEP_RE.match(name) and (root / name / MANIFEST).is_file():
             return root / name
-        log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer, name)
+        if not (root / name / "k3.json").is_file():  # a distributed checkpoint (k3.parallel's meta) is complete;
+            # its callers say what to do with it, so no warning about a crash here
+            log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer,
+                        name)
     for _, p in reversed(step_dirs(root)):
         if (p / MANIFEST).is_file():
             return p
