@@ -103,7 +103,8 @@ def test_ep_forward_backward_equal_single_process(world):
         assert sum(r["a2a_bytes"] for r in per_rank) == sum(r["a2a_predicted"] for r in per_rank)
         idle = [r["idle"] for r in results]
         assert idle[0]["recv_rows"] == world * 12 and all(r["recv_rows"] == 0 for r in idle[1:])
-        assert all(r["z_grad"] < 1e-6 and r["w1_grad"] < 1e-5 for r in idle), idle
+        # relative errors, on gradients of order 1 (not a tolerance larger than the gradient itself)
+        assert all(r["z_grad"] < 1e-5 and r["w1_grad"] < 1e-5 and r["z_grad_scale"] > 0.1 for r in idle), idle
         # every dispatched token-slot is computed somewhere exactly once
         cfg = get_config("tiny")
         assert sum(r["recv_rows"] for r in per_rank) == world * 2 * 8 * cfg.n_active_experts * 3
@@ -125,6 +126,9 @@ def _idle_rank(rank, world):
 
     torch.manual_seed(0)
     ref = RoutedExperts(2 * world, 16, 24)
+    with torch.no_grad():  # O(1) gradients: at the 0.02 init they were ~1e-6, below the absolute tolerance
+        for w in (ref.w1, ref.w3, ref.w2):
+            w.normal_(std=0.3)
     ep = ExpertParallel(ref, contiguous_placement(2 * world, world), dist.group.WORLD)
     g = torch.Generator().manual_seed(rank)
     z = torch.randn(6, 16, generator=g, requires_grad=True)
@@ -134,12 +138,14 @@ def _idle_rank(rank, world):
     z_ref = z.detach().clone().requires_grad_(True)
     ref(z_ref, weights, experts).square().sum().backward()
     sync_expert_grads(ep)
-    err = float((z.grad - z_ref.grad).abs().max())
+    err = float((z.grad - z_ref.grad).abs().max() / z_ref.grad.abs().max())
     full = torch.empty(2 * world, 16, 24)
     comm.all_gather_single(full, ep.w1.grad.contiguous())
     ref_sum = ref.w1.grad.clone()
     comm.all_reduce(ref_sum)  # the experts' gradient over every rank's tokens
-    return {"recv_rows": ep.last_recv_rows, "z_grad": err, "w1_grad": float((full - ref_sum).abs().max())}
+    return {"recv_rows": ep.last_recv_rows, "z_grad": err,
+            "w1_grad": float((full - ref_sum).abs().max() / ref_sum.abs().max()),
+            "z_grad_scale": float(z_ref.grad.abs().max())}
 
 
 def test_ep_rejects_experts_not_divisible_without_replication():

@@ -45,16 +45,25 @@ def _pipeline(rank, world, attnres):
         if n.startswith("attnres."):
             gsum = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
             comm.all_reduce(gsum)
-            err = max(err, float((gsum - refp[n].grad).abs().max()))
+            err = max(err, _rel(gsum, refp[n].grad))
         elif any(n.startswith(o) for o in own) or (n.startswith("embed") and stage.first) or \
                 (n.split(".")[0] in ("head", "norm") and stage.last):
             if p.grad is None:  # an expert no token chose: no gradient in either model
                 assert refp[n].grad is None or not refp[n].grad.any(), n
                 continue
-            err = max(err, float((p.grad - refp[n].grad).abs().max()))
+            err = max(err, _rel(p.grad, refp[n].grad))
         else:
             assert p.grad is None, f"stage {rank} touched {n}"
     return {"losses": losses, "ref_losses": ref_losses, "grad_err": err, "bytes_per_micro": sent / N_MICRO}
+
+
+def _rel(g: torch.Tensor, ref: torch.Tensor) -> float:
+    """Per-parameter max error relative to the reference gradient's scale: the router and some expert gradients
+    are ~1e-6 at this init, so an absolute 1e-6 accepted a zero gradient for them. A parameter whose reference
+    gradient is exactly 0 (an expert no token chose) must come out 0 up to fp32 noise."""
+    scale = float(ref.abs().max())
+    diff = float((g - ref).abs().max())
+    return diff / scale if scale > 0 else diff * 1e6
 
 
 def _both(rank, world):
@@ -67,7 +76,7 @@ def test_two_stages_equal_single_process_and_stage_bytes_follow_sources():
     for a in ("block", "full"):
         last = res[1][a]
         assert max(abs(x - y) for x, y in zip(last["losses"], last["ref_losses"])) < 1e-6
-        assert res[0][a]["grad_err"] < 1e-6 and res[1][a]["grad_err"] < 1e-6, (a, res[0][a], res[1][a])
+        assert res[0][a]["grad_err"] < 1e-4 and res[1][a]["grad_err"] < 1e-4, (a, res[0][a], res[1][a])
     first_of_stage_1 = stage_layers(cfg.n_layers, 2)[1].start
     predicted = {}
     for a in ("block", "full"):

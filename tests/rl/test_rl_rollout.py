@@ -156,24 +156,24 @@ def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, mo
 def test_an_interrupt_stops_the_episode_threads_before_it_propagates(tiny_rl_model, rl_tokenizer, rl_tasks):
     """A Ctrl-C in the thread that runs the rollouts closes the lockstep engine and waits for the episode threads:
     a daemon thread still inside the model when the interpreter exits aborted the process (exit 134)."""
-    import _thread
+    import signal
     import threading
-    import time
 
-    started = threading.Event()
+    started, main = threading.Event(), threading.main_thread().ident
 
     def ep(task, policy, seed, config):
-        if seed == 0:  # this episode interrupts the main thread, then keeps asking the engine
+        if seed == 0:  # a real SIGINT, as a terminal sends it: it wakes the main thread blocked in join()
             started.wait(10)
-            _thread.interrupt_main()
-            for _ in range(1000):
-                time.sleep(0.01)
-                policy.act([{"role": "user", "content": task.instruction}])
+            signal.pthread_kill(main, signal.SIGINT)
         started.set()
-        while True:  # the other episodes generate until the engine is closed
+        for _ in range(10_000):  # bounded; the engine's close ends it long before (its generate raises)
             policy.act([{"role": "user", "content": task.instruction}])
 
     jobs = [Job(t, seed=k, sample_seed=k) for k, t in enumerate(rl_tasks["train"][:3])]
-    with pytest.raises(KeyboardInterrupt):
-        run_jobs(tiny_rl_model, rl_tokenizer, jobs, episode_config("swap"), max_tokens=2, episode_fn=ep)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # also where pytest runs with SIGINT ignored
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_jobs(tiny_rl_model, rl_tokenizer, jobs, episode_config("swap"), max_tokens=2, episode_fn=ep)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("k3-rl-episode-")]

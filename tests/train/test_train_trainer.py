@@ -130,10 +130,15 @@ def test_metrics_fields(tmp_path, fake_data):
 
 def test_activation_checkpointing_matches(fake_data):
     cfg, data = get_config("tiny"), fake_data()
-    runs = []
+    runs, router_calls = [], []
     for ac in (False, True):
         tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, activation_checkpointing=ac, measure_mfu=False)), data)
+        calls = [0]
+        for m in tr.model.moe_layers():
+            m.router.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
         runs.append((tr.fit().losses, [m.router.bias.clone() for m in tr.model.moe_layers()]))
+        router_calls.append(calls[0])
+    assert router_calls[1] == 2 * router_calls[0] > 0  # the checkpointed run really recomputed in backward
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-5, atol=1e-6)
     for b0, b1 in zip(runs[0][1], runs[1][1]):
         assert torch.equal(b0, b1)  # the recompute did not double-count router statistics
@@ -209,10 +214,14 @@ def test_activation_checkpointing_counts_router_tokens_once():
     cfg = get_config("tiny")
     model = K3Model(cfg).train()
     apply_activation_checkpointing(model)
+    calls = []
+    for m in model.moe_layers():
+        m.router.register_forward_hook(lambda mod, *a: calls.append(mod))
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     model(ids).float().pow(2).mean().backward()
     for m in model.moe_layers():
-        assert int(m.router._load_acc.sum()) == 2 * 16 * cfg.n_active_experts
+        assert calls.count(m.router) == 2  # routed in the forward and again in the backward's recompute ...
+        assert int(m.router._load_acc.sum()) == 2 * 16 * cfg.n_active_experts  # ... and counted once
 
 
 def test_balancing_stats_paused_restores_switch():
@@ -234,6 +243,7 @@ def test_compile_matches_eager(fake_data):
     runs = []
     for backend in ("", "aot_eager"):
         tr = Trainer(cfg, TrainConfig(**dict(TINY, steps=2, compile=backend, measure_mfu=False)), data)
+        assert (tr.forward is tr.model) == (not backend)  # the second run is compiled, not eager again
         runs.append(tr.fit().losses)
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
 

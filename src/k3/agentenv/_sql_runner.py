@@ -47,8 +47,20 @@ def main():
                 objects = conn.execute(
                     "SELECT type, name, tbl_name FROM sqlite_master ORDER BY type, name").fetchall()
                 integrity = conn.execute("PRAGMA integrity_check").fetchall()
+                # a "table" can still compute its values at read time: a virtual table, or generated columns
+                # (pragma table_xinfo hidden 2 = virtual, 3 = stored generated; both are expressions, not data)
+                virtual, generated = [], {}
+                for name, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"):
+                    if (sql or "").lstrip().upper().startswith("CREATE VIRTUAL TABLE"):
+                        virtual.append(name)
+                        continue
+                    cols = [r[0] for r in conn.execute(
+                        "SELECT name FROM pragma_table_xinfo(?) WHERE hidden IN (2, 3)", (name,))]
+                    if cols:
+                        generated[name] = cols
                 out[q["id"]] = {"objects": [list(r) for r in objects],
-                                "integrity": [r[0] for r in integrity]}
+                                "integrity": [r[0] for r in integrity],
+                                "virtual_tables": virtual, "generated_columns": generated}
             else:
                 rows = conn.execute(q["sql"]).fetchmany(100001)
                 out[q["id"]] = {"rows": [[value(v) for v in r] for r in rows]}

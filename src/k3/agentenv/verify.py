@@ -226,9 +226,18 @@ def judge_observation(c: dict, obs) -> tuple[bool, str]:
             return False, f"integrity_check failed: {_short(obs.get('integrity'))}"
         types = {(o[1] if isinstance(o, list) and len(o) == 3 else None): o[0] for o in objects
                  if isinstance(o, list) and len(o) == 3}
+        virtual = obs.get("virtual_tables")
+        generated = obs.get("generated_columns")
+        if not isinstance(virtual, list) or not isinstance(generated, dict):
+            return False, "schema not reported (virtual tables, generated columns)"
         for t in exp.get("tables", []):
             if types.get(t) != "table":
                 return False, f"{t} is {'missing' if t not in types else 'a ' + str(types[t])}, not a table"
+            if t in virtual:
+                return False, f"{t} is a virtual table, not a table that stores its rows"
+            if generated.get(t):
+                return False, (f"{t} has generated column(s) {generated[t]}: values computed from an expression, "
+                               "not stored data")
         bad = sorted(n for n, t in types.items() if t in exp.get("forbid", []))
         if bad:
             return False, f"forbidden schema objects present: {bad}"

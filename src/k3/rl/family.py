@@ -155,7 +155,10 @@ def task_spec(kind: str, split: str, index: int) -> dict:
     return dict(common, family="sqlite", title="Apply change.txt to app.db",
                 workspace={"change.txt": f"{target} {new}\n"}, generate={"app.db": script},
                 checks=[{"id": "rows", "kind": "sql", "label": "F2P", "db": "app.db",
-                         "sql": "SELECT name, qty FROM items ORDER BY name", "expect": {"rows": rows}}])
+                         "sql": "SELECT name, qty FROM items ORDER BY name", "expect": {"rows": rows}},
+                        # the rows must be stored: not a view, trigger or generated column that computes them
+                        {"id": "schema", "kind": "sql_schema", "label": "P2P", "db": "app.db",
+                         "expect": {"tables": ["items"], "forbid": ["view", "trigger"]}}])
 
 
 def build_tasks(out_dir: str | os.PathLike, split: str, n_per_kind: int, kinds=KINDS) -> list:

@@ -210,9 +210,17 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
 
     was_training = model.training
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i,), name=f"k3-rl-episode-{i}", daemon=True) for i in range(n)]
+    entered = [threading.Event() for _ in range(n)]
+
+    def entry(i: int) -> None:
+        entered[i].set()
+        one(i)
+
+    threads = [threading.Thread(target=entry, args=(i,), name=f"k3-rl-episode-{i}", daemon=True) for i in range(n)]
+    starting = 0  # threads whose start() was called
     try:
         for t in threads:
+            starting += 1
             t.start()
         for t in threads:
             t.join()
@@ -222,8 +230,9 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
         # active exception", exit 134 instead of the interruption's 130).
         lock.close()
         deadline = time.monotonic() + 60
-        for t in threads:
-            if t.is_alive():
+        for i, t in enumerate(threads[:starting]):
+            # a Ctrl-C inside Thread.start() can leave a thread that runs but does not look started yet
+            if entered[i].wait(min(2.0, max(0.0, deadline - time.monotonic()))):
                 t.join(max(0.0, deadline - time.monotonic()))
         raise
     finally:
