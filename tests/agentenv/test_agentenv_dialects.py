@@ -162,3 +162,47 @@ def test_results_answer_to_the_call_the_policy_made():
                    '*** Delete File: old.txt\\n*** End Patch"}<|call|>')
     assert d.tool == "run" and d.call == "apply_patch"
     assert c.render_results([(d, True, "")]).startswith("<|start|>functions.apply_patch to=assistant")
+
+
+AWKWARD = [  # text a dialect's markup cannot carry as is
+    Action("write", {"path": "d/no_newline.txt", "content": "abc"}),
+    Action("write", {"path": "empty.txt", "content": ""}),
+    Action("write", {"path": "tags.txt", "content": "a</parameter>b</invoke>\n"}),
+    Action("write", {"path": "patch.txt", "content": "x\n*** End Patch\ny\n"}),
+    Action("edit", {"path": "base.txt", "old": "one", "new": "</parameter>\n*** End Patch"}),
+    Action("run", {"command": "printf '%s' '</invoke>' > run.txt"}),
+    Action("write", {"path": "markers.txt", "content": "a<|tool_call_end|>b<|call|>c<|end|>\n"}),
+]
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_every_dialect_carries_awkward_text_byte_for_byte(dialect, tmp_path):
+    """The same actions must leave the same bytes under every dialect: Codex added a newline to a file written
+    without one (a task scored 1 under codex and 0 elsewhere) and cut content at '*** End Patch'; Claude cut a
+    parameter at '</parameter>'. Such calls become a shell command; both forms are run here and compared."""
+    import subprocess
+
+    d = make_dialect(make_variant(dialect))
+
+    def apply(action, root):
+        if action.tool == "write":
+            (root / action.args["path"]).parent.mkdir(parents=True, exist_ok=True)
+            (root / action.args["path"]).write_bytes(action.args["content"].encode())
+        elif action.tool == "edit":
+            p = root / action.args["path"]
+            p.write_text(p.read_text().replace(action.args["old"], action.args["new"], 1))
+        else:
+            subprocess.run(["bash", "-c", action.args["command"]], cwd=root, check=True, timeout=30)
+
+    for i, a in enumerate(AWKWARD):
+        want, got = tmp_path / f"want{i}", tmp_path / f"got{i}"
+        for root in (want, got):
+            root.mkdir()
+            (root / "base.txt").write_text("zero one two\n")
+        apply(a, want)
+        parsed = d.parse(d.render_call(a))
+        assert len(parsed) == 1 and parsed[0].tool in (a.tool, "run"), (dialect, a, parsed)
+        apply(parsed[0], got)
+        for f in want.rglob("*"):
+            if f.is_file():
+                assert (got / f.relative_to(want)).read_bytes() == f.read_bytes(), (dialect, a, f.name)

@@ -24,6 +24,31 @@ from dataclasses import dataclass
 from .actions import ACTIONS, ARG_DESCRIPTIONS, DESCRIPTIONS, Action, ActionError, make_action
 
 
+def as_shell_action(a: Action) -> Action:
+    """The same write / edit / run as a `run` of a command made only of letters, digits and a few punctuation
+    marks (its arguments base64-encoded), for text a dialect's markup cannot carry (a closing tag in Claude's XML
+    parameters, a file without a final newline or an '*** End Patch' line in Codex patches). The edit keeps the
+    tool's rules: the old text must occur, once unless replace_all."""
+    import base64
+
+    if a.tool == "run":
+        blob = base64.b64encode(a.args["command"].encode("utf-8")).decode()
+        return Action("run", {"command": f"bash -c \"$(echo {blob} | base64 -d)\""})
+    blob = base64.b64encode(json.dumps(a.args, ensure_ascii=False).encode("utf-8")).decode()
+    head = f"import base64, json, pathlib, sys; a = json.loads(base64.b64decode('{blob}')); p = pathlib.Path(a['path']); "
+    if a.tool == "write":
+        body = "p.parent.mkdir(parents=True, exist_ok=True); p.write_bytes(a['content'].encode())"
+    elif a.tool == "edit":
+        body = ("t = p.read_bytes().decode(); n = t.count(a['old']); "
+                "sys.exit('old text not found in ' + a['path']) if not a['old'] or n == 0 else None; "
+                "sys.exit('old text occurs %d times in %s' % (n, a['path'])) if n > 1 and not a.get('replace_all') "
+                "else None; p.write_bytes((t.replace(a['old'], a['new']) if a.get('replace_all') "
+                "else t.replace(a['old'], a['new'], 1)).encode())")
+    else:
+        raise ValueError(f"{a.tool} has no shell form")
+    return Action("run", {"command": "python3 -c " + shlex.quote(head + body)})
+
+
 class ParseError(ValueError):
     """The policy's text holds no well-formed tool call; the message explains the right form."""
 
@@ -292,6 +317,12 @@ def _json_args(raw: str, name: str):
         raise ParseError(f"the arguments of {name} cannot be read ({type(e).__name__}: {e})"[:300]) from None
 
 
+def _json_no_markers(args: dict) -> str:
+    """JSON arguments with every '<|' written as the JSON escape '\\u003c|': a marker such as '<|tool_call_end|>'
+    inside a file's content would otherwise end the call there. Any JSON parser reads the same text back."""
+    return json.dumps(args, ensure_ascii=False).replace("<|", "\\u003c|")
+
+
 class KimiDialect(Dialect):
     name = "kimi"
     CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
@@ -309,7 +340,7 @@ class KimiDialect(Dialect):
 
     def _one(self, a: Action, index: int) -> str:
         return (f"<|tool_call_begin|>functions.{self.tool_name(a.tool)}:{index}"
-                f"<|tool_call_argument_begin|>{json.dumps(self._encode_args(a), ensure_ascii=False)}"
+                f"<|tool_call_argument_begin|>{_json_no_markers(self._encode_args(a))}"
                 "<|tool_call_end|>")
 
     def render_calls(self, actions):
@@ -354,6 +385,9 @@ class ClaudeDialect(Dialect):
                 f"like this:\n{ex}\n\nHere are the functions available:\n<functions>\n{fns}\n</functions>")
 
     def _invoke(self, a: Action) -> str:
+        if any(isinstance(v, str) and ("</parameter>" in v or "</invoke>" in v) for v in a.args.values()) \
+                and a.tool in ("write", "edit", "run"):
+            a = as_shell_action(a)  # a closing tag inside a raw parameter value would cut it short
         params = "".join(f'<parameter name="{k}">{v if isinstance(v, str) else json.dumps(v)}</parameter>\n'
                          for k, v in self._encode_args(a).items())
         return f'<invoke name="{self.tool_name(a.tool)}">\n{params}</invoke>\n'
@@ -423,7 +457,7 @@ class CodexDialect(Dialect):
 
     def _msg(self, name: str, args: dict) -> str:
         return (f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json"
-                f"<|message|>{json.dumps(args, ensure_ascii=False)}<|call|>")
+                f"<|message|>{_json_no_markers(args)}<|call|>")
 
     def render_call(self, a: Action, index: int = 0) -> str:
         if a.tool == "edit" and a.args.get("replace_all"):
@@ -432,6 +466,10 @@ class CodexDialect(Dialect):
                       f"p.write_text(p.read_text().replace({a.args['old']!r}, {a.args['new']!r}))")
             return self.render_call(Action("run", {"command": "python3 -c " + shlex.quote(script)}))
         if a.tool in ("write", "edit"):
+            texts = [a.args["content"]] if a.tool == "write" else [a.args["old"], a.args["new"]]
+            if any("*** End Patch" in t for t in texts) or (a.tool == "write" and not a.args["content"].endswith("\n")):
+                # an Add File always ends its content with a newline, and '*** End Patch' ends any patch
+                return self.render_call(as_shell_action(a))
             return self._msg(self.tool_name("patch"), {self.arg_name("patch", "input"): _render_patch(a)})
         args = self._encode_args(a)
         if a.tool == "run":
