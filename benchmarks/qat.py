@@ -342,9 +342,9 @@ def verdict(d_mean: float, d_sem: float | None, recovery: float | None, low: flo
     errors higher) reaches RECOVERY_TARGET, "not met" when even the optimistic one (2 SE lower) stays below it,
     "inconclusive" otherwise, and whenever the PTQ degradation is not clearly above 0 (a ratio over noise). The QAT
     gap carries the noise of its own training runs, which the paired PTQ degradation does not."""
-    if d_sem is None or low is None:
+    if d_sem is None:
         return "inconclusive: one seed gives no standard error; run --seeds 0,1,2"
-    if not d_mean > 2 * d_sem:
+    if not d_mean > 2 * d_sem or low is None:  # (low is None when the mean degradation is not above 0)
         return (f"inconclusive: PTQ degradation {d_mean:.4g} is not more than 2 standard errors "
                 f"(2 x {d_sem:.2g}) above 0")
     span = f"recovery {recovery:.2f}, {low:.2f} to {high:.2f} within 2 SE of the QAT gap"

@@ -170,7 +170,7 @@ AWKWARD = [  # text a dialect's markup cannot carry as is
     Action("write", {"path": "tags.txt", "content": "a</parameter>b</invoke>\n"}),
     Action("write", {"path": "patch.txt", "content": "x\n*** End Patch\ny\n"}),
     Action("edit", {"path": "base.txt", "old": "one", "new": "</parameter>\n*** End Patch"}),
-    Action("run", {"command": "printf '%s' '</invoke>' > run.txt"}),
+    Action("run", {"command": "printf '%s' '</invoke>' > run.txt", "timeout": 20.0}),
     Action("write", {"path": "markers.txt", "content": "a<|tool_call_end|>b<|call|>c<|end|>\n"}),
 ]
 
@@ -202,6 +202,7 @@ def test_every_dialect_carries_awkward_text_byte_for_byte(dialect, tmp_path):
         apply(a, want)
         parsed = d.parse(d.render_call(a))
         assert len(parsed) == 1 and parsed[0].tool in (a.tool, "run"), (dialect, a, parsed)
+        assert parsed[0].args.get("timeout") == a.args.get("timeout")  # a run keeps its timeout
         apply(parsed[0], got)
         for f in want.rglob("*"):
             if f.is_file():

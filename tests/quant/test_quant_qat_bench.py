@@ -29,6 +29,8 @@ def test_summarize_means_and_verdicts(qat_bench):
     assert wide["recovery"] > 0.8 and wide["verdict"].startswith("inconclusive") and "straddles" in wide["verdict"]
     assert wide["recovery_low"] < 0.8 < wide["recovery_high"]
     assert "one seed" in qat_bench.summarize([0.1], [0.0], None)["verdict"]
+    better = qat_bench.summarize([-0.01, -0.012, -0.011], [0.0, 0.01, 0.02], None)  # quantizing helped: no ratio
+    assert better["verdict"].startswith("inconclusive: PTQ degradation") and "2 standard errors" in better["verdict"]
     assert "verdict" not in qat_bench.summarize([0.1, 0.2], None, None)  # PTQ-only setting
 
 

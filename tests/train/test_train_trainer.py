@@ -321,3 +321,18 @@ def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeyp
     monkeypatch.setattr(t2, "train_step", lambda: (_ for _ in ()).throw(RuntimeError("plain failure")))
     with pytest.raises(RuntimeError, match="plain failure"):
         t2.fit(graceful_interrupt=True)
+    # after a Ctrl-C, an error outside the step (here the save of the finished step) is that error, not an
+    # interruption: the user must not believe the step was saved
+    t3 = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path / "c")
+    real3 = t3.train_step
+
+    def step3():
+        if t3.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real3()
+
+    monkeypatch.setattr(t3, "train_step", step3)
+    real_save = t3.save
+    monkeypatch.setattr(t3, "save", lambda: real_save() if t3.step < 2 else (_ for _ in ()).throw(OSError(28, "disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        t3.fit(graceful_interrupt=True)

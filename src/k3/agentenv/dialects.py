@@ -33,7 +33,8 @@ def as_shell_action(a: Action) -> Action:
 
     if a.tool == "run":
         blob = base64.b64encode(a.args["command"].encode("utf-8")).decode()
-        return Action("run", {"command": f"bash -c \"$(echo {blob} | base64 -d)\""})
+        kept = {k: v for k, v in a.args.items() if k != "command"}  # the timeout stays the run's own
+        return Action("run", {"command": f"bash -c \"$(echo {blob} | base64 -d)\"", **kept})
     blob = base64.b64encode(json.dumps(a.args, ensure_ascii=False).encode("utf-8")).decode()
     head = f"import base64, json, pathlib, sys; a = json.loads(base64.b64decode('{blob}')); p = pathlib.Path(a['path']); "
     if a.tool == "write":

@@ -369,8 +369,8 @@ class RoutedExperts(nn.Module):
                              f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
         if experts.is_floating_point() or experts.is_complex():
             raise ValueError(f"RoutedExperts expects integer expert ids [N, k], got dtype {experts.dtype}")
-        if experts.device.type == "cpu" and experts.numel() and (  # elsewhere this check would sync the host
-                int(experts.min()) < 0 or int(experts.max()) >= self.n_experts):
+        if experts.device.type == "cpu" and experts.numel() and not torch.compiler.is_compiling() and (
+                int(experts.min()) < 0 or int(experts.max()) >= self.n_experts):  # (a host sync on a GPU)
             raise ValueError(f"RoutedExperts has experts 0..{self.n_experts - 1}, got expert ids from "
                              f"{int(experts.min())} to {int(experts.max())}")
         w = self.expert_weights()

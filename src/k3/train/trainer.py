@@ -620,7 +620,13 @@ class Trainer:
                     log.info("time budget of %.1f min reached at step %d", tc.max_minutes, self.step)
                     break
                 t_step = time.perf_counter()
-                rec = self.train_step()
+                try:
+                    rec = self.train_step()
+                except Exception as e:
+                    if interrupt.requested:  # the Ctrl-C also reached helper processes (torch.compile's workers),
+                        # whose death failed the step: an interruption, not an error (the last saved step stands)
+                        raise KeyboardInterrupt(f"interrupted during step {self.step + 1} ({type(e).__name__})") from e
+                    raise
                 last_dt = self._step_s = rec["step_time_s"]
                 if result.losses:  # the first step of a call carries one-off start-up costs: not a step time
                     recent.append(time.perf_counter() - t_step)  # the step's wall time, whatever slowed it
@@ -661,11 +667,6 @@ class Trainer:
             saved_now = saved_at is not None and saved_at.name.endswith(f"_{self.step:06d}")
             if self.ckpt_dir is not None and result.losses and not saved_now:
                 saved_at = self.save()
-        except Exception as e:
-            if interrupt.requested:  # the Ctrl-C also reached helper processes (torch.compile's workers), whose
-                # death failed the step: an interruption, not an error (the last saved checkpoint stands)
-                raise KeyboardInterrupt(f"interrupted during step {self.step + 1} ({type(e).__name__})") from e
-            raise
         finally:
             interrupt.restore()
             if writer is not None:

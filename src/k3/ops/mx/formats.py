@@ -321,7 +321,7 @@ def _scale_values(s: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_size: int = 32,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, _trusted: bool = False) -> torch.Tensor:
     """Decode MX blocks: x = X * P.
 
     codes: uint8 [..., n] (or [..., n / 2] packed mxfp4; detected from the shapes; mxfp8 also
@@ -352,7 +352,8 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str, block_siz
             f"codes last dim {codes.shape[-1]} does not match scales last dim {s.shape[-1]} x "
             f"block_size {block_size} = {n}" + (" (or half that, packed)" if f.name == "mxfp4" else "")
         )
-    if f.name == "mxfp4" and not packed and codes.numel() and int(codes.max()) > 15:
+    # (not for codes quantize_mx just made, `_trusted`: a pass over them and, on a GPU, a host sync per QAT call)
+    if f.name == "mxfp4" and not packed and not _trusted and codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"unpacked mxfp4 codes are 4-bit (0..15), got {int(codes.max())}; packed codes (two per "
                          f"byte) have a last dim of n / 2 = {n // 2}, not {codes.shape[-1]}")
     nb = s.numel()
@@ -380,7 +381,7 @@ def fake_quantize_mx(x: torch.Tensor, fmt: str, block_size: int = 32) -> torch.T
     """dequantize_mx(quantize_mx(x)) in x's dtype and shape; x: [..., n]. No gradient flows
     (the codes are integers); QAT wraps this in a straight-through estimator."""
     codes, scales = quantize_mx(x, fmt, block_size)
-    return dequantize_mx(codes, scales, fmt, block_size, dtype=x.dtype)
+    return dequantize_mx(codes, scales, fmt, block_size, dtype=x.dtype, _trusted=True)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
