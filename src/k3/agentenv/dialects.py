@@ -461,15 +461,12 @@ class CodexDialect(Dialect):
                 f"<|message|>{_json_no_markers(args)}<|call|>")
 
     def render_call(self, a: Action, index: int = 0) -> str:
-        if a.tool == "edit" and a.args.get("replace_all"):
-            # a patch replaces one located hunk; "every occurrence" becomes a shell one-liner
-            script = (f"import pathlib; p = pathlib.Path({a.args['path']!r}); "
-                      f"p.write_text(p.read_text().replace({a.args['old']!r}, {a.args['new']!r}))")
-            return self.render_call(Action("run", {"command": "python3 -c " + shlex.quote(script)}))
         if a.tool in ("write", "edit"):
             texts = [a.args["content"]] if a.tool == "write" else [a.args["old"], a.args["new"]]
-            if any("*** End Patch" in t for t in texts) or (a.tool == "write" and not a.args["content"].endswith("\n")):
-                # an Add File always ends its content with a newline, and '*** End Patch' ends any patch
+            if (any("*** End Patch" in t for t in texts) or a.args.get("replace_all")
+                    or (a.tool == "write" and not a.args["content"].endswith("\n"))):
+                # a patch replaces one located hunk ("every occurrence" has no patch form), an Add File always
+                # ends its content with a newline, and '*** End Patch' ends any patch
                 return self.render_call(as_shell_action(a))
             return self._msg(self.tool_name("patch"), {self.arg_name("patch", "input"): _render_patch(a)})
         args = self._encode_args(a)

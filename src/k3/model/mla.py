@@ -23,6 +23,7 @@ from k3.config import K3Config
 from k3.model.cache import MLACache
 from k3.model.checks import check_dtype
 from k3.ops.amp import at_least_fp32
+from k3.quant.fake import fake_quant
 
 
 class GatedMLA(nn.Module):
@@ -107,8 +108,7 @@ class GatedMLA(nn.Module):
         S = c_kv.shape[1]
         w = self.wkv_b.weight
         if getattr(self.wkv_b, "weight_format", None) is not None:  # QAT on the linears: compute what the naive
-            from k3.quant.fake import fake_quant  # path's QATLinear computes (weight and input fake-quantized)
-
+            # path's QATLinear computes (weight and input fake-quantized)
             w = fake_quant(w, self.wkv_b.weight_format, dim=1)
             c_kv = fake_quant(c_kv, self.wkv_b.act_format)
         w = w.view(H, K + self.v_head_dim, self.kv_lora_rank)

@@ -35,12 +35,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from k3.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from k3.parallel import comm
 from k3.parallel.expert import ExpertParallel
+from k3.train.checkpoint import DCP_META
 
 log = logging.getLogger(__name__)
 
 FORMAT = "k3-dcp/2"
 FORMATS = ("k3-dcp/1", FORMAT)  # /1: optimizer state nested by parameter group (pp = 1 only)
-META, LATEST = "k3.json", "latest"
+META, LATEST = DCP_META, "latest"
 
 __all__ = ["save", "load", "latest", "read_meta", "load_model_weights", "as_manifest"]
 

@@ -35,6 +35,14 @@ __all__ = ["stage_layers", "StageLayers", "prune_to_stage", "stage_shared_params
 HEADER = 6  # n_completed, n_current, AttnRes step, block start, B, T
 
 
+
+def check_tied_stages(config, n_stages: int) -> None:
+    """Tied embeddings cannot be split over pipeline stages: one matrix would live on the first and the last."""
+    if config.tie_embeddings and n_stages > 1:
+        raise ValueError("tie_embeddings shares one matrix between the first stage (embedding) and the last "
+                         "(head), which pipeline training does not reduce across stages; use --pp 1 or "
+                         "--set tie_embeddings=false")
+
 def stage_layers(n_layers: int, n_stages: int) -> list[range]:
     """Contiguous layer ranges, as even as possible (earlier stages take the remainder)."""
     if n_stages < 1 or n_stages > n_layers:
@@ -83,10 +91,7 @@ class _Elsewhere(nn.Module):
 def prune_to_stage(model, stage: int, n_stages: int) -> range:
     """Keep only what stage `stage` of `n_stages` runs (in place): its layers, the embedding on the first
     stage, the final norm and head on the last, the AttnRes parameters on all. Returns the layer range."""
-    if model.config.tie_embeddings and n_stages > 1:
-        raise ValueError("tie_embeddings shares one matrix between the first stage (embedding) and the last "
-                         "(head), which pipeline training does not reduce across stages; use --pp 1 or "
-                         "--set tie_embeddings=false")
+    check_tied_stages(model.config, n_stages)
     if not 0 <= stage < n_stages:
         raise ValueError(f"stage {stage} is outside 0 .. {n_stages - 1}")
     if isinstance(model.layers, StageLayers):

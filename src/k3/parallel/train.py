@@ -36,7 +36,7 @@ from k3.parallel import comm
 from k3.parallel.expert import apply_expert_parallel, expert_modules, sync_expert_grads
 from k3.parallel.fsdp import apply_fsdp, local_grad_sq
 from k3.parallel.mesh import ParallelContext
-from k3.parallel.pipeline import PipelineStage, prune_to_stage, run_gpipe, stage_shared_params
+from k3.parallel.pipeline import PipelineStage, check_tied_stages, prune_to_stage, run_gpipe, stage_shared_params
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
 from k3.train.optim import build_optimizer
@@ -144,10 +144,7 @@ def check_parallel_settings(config: K3Config, tc: TrainConfig, dims, train_data=
     before torchrun starts so that the user sees one line instead of one per rank and torchrun's traceback."""
     if dims.pp > config.n_layers:
         raise ValueError(f"--pp {dims.pp} stages cannot split {config.n_layers} layers; use --pp <= {config.n_layers}")
-    if dims.pp > 1 and config.tie_embeddings:
-        raise ValueError("tie_embeddings shares one matrix between the first stage (embedding) and the last "
-                         "(head), which pipeline training does not reduce across stages; use --pp 1 or "
-                         "--set tie_embeddings=false")
+    check_tied_stages(config, dims.pp)
     if tc.seq_len > config.max_context:
         raise ValueError(f"--seq-len {tc.seq_len} exceeds the model's max_context = {config.max_context}; use "
                          f"--seq-len <= {config.max_context}")

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FORMAT = "k3-checkpoint/1"
 MODEL_FILE, OPTIM_FILE, MANIFEST = "model.safetensors", "optimizer.safetensors", "manifest.json"
 LATEST = "latest"
+DCP_META = "k3.json"  # the meta file of a distributed (k3.parallel) checkpoint
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 
 
@@ -163,7 +164,7 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         name = pointer.read_text().strip()
         if _STEP_RE.match(name) and (root / name / MANIFEST).is_file():
             return root / name
-        if not (root / name / "k3.json").is_file():  # a distributed checkpoint (k3.parallel's meta) is complete;
+        if not (root / name / DCP_META).is_file():  # a distributed checkpoint (k3.parallel's meta) is complete;
             # its callers say what to do with it, so no warning about a crash here
             log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one", pointer,
                         name)

@@ -2,8 +2,9 @@
 
 Kimi Linear (arXiv 2510.26692), eq. for KDA:
     S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t,
-with alpha_t = exp(g_t) a per-channel decay and scale = K^-0.5 unless given (as fla's kernels). This file is the obviously-correct twin the fast paths
-(`chunk.py`, `recurrent.py`) are tested against; it is slow on purpose.
+with alpha_t = exp(g_t) a per-channel decay and scale = K^-0.5 unless given (as fla's kernels). This file
+is the obviously-correct twin the fast paths (`chunk.py`, `recurrent.py`) are tested against; it is slow on
+purpose.
 """
 from __future__ import annotations
 
