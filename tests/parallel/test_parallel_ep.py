@@ -1,6 +1,11 @@
 """MoonEP on real local gloo ranks: forward and backward equal the single-process model (outputs, every
 parameter's gradient, experts gathered back), with contiguous shards and with an EPLB placement whose
-hot experts have replicas; replicas stay identical through an optimizer step; payload bytes are counted."""
+hot experts have replicas, and with QAT on (MX fake quant of each rank's own expert slots); replicas stay identical
+through an optimizer step; payload bytes are counted.
+
+QAT is compared over one SGD step, not AdamW training: AdamW turns float-rounding differences in near-zero
+gradients into lr-sized steps, and after ~10 steps an MXFP8/MXFP4 value that sits on a rounding midpoint flips,
+so fp32 weights drift apart by ~1e-4 while the gradients at the same state agree to ~1e-10."""
 import pytest
 import torch
 
@@ -16,7 +21,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-def _ep_check(rank, world, balanced):
+def _ep_check(rank, world, balanced, qat=False):
     import torch.distributed as dist
 
     from k3.parallel import comm
@@ -24,6 +29,8 @@ def _ep_check(rank, world, balanced):
     from k3.parallel.placement import balanced_placement
 
     cfg = get_config("tiny")
+    if qat:  # K3's QAT: MXFP4 expert weights, MXFP8 expert inputs, fake-quantized on each rank's own slots
+        cfg = cfg.replace(qat={"expert_weights": "mxfp4", "activations": "mxfp8"})
     torch.manual_seed(0)
     ref = K3Model(cfg)
     model = K3Model(cfg)
@@ -93,7 +100,7 @@ def _ep_check(rank, world, balanced):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_forward_backward_equal_single_process(world):
     results = run_local(_ep_run_both, world, timeout_s=150)
-    for balanced in (False, True):
+    for balanced in (False, True, "qat"):
         per_rank = [r[balanced] for r in results]
         for r in per_rank:
             assert r["out"] < TOL and r["grad"] < TOL and r["expert_grad"] < TOL, (world, balanced, r)
@@ -111,7 +118,8 @@ def test_ep_forward_backward_equal_single_process(world):
 
 
 def _ep_run_both(rank, world):
-    return {False: _ep_check(rank, world, False), True: _ep_check(rank, world, True), "idle": _idle_rank(rank, world)}
+    return {False: _ep_check(rank, world, False), True: _ep_check(rank, world, True),
+            "qat": _ep_check(rank, world, True, qat=True), "idle": _idle_rank(rank, world)}
 
 
 def _idle_rank(rank, world):
