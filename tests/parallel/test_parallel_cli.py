@@ -150,3 +150,9 @@ def test_train_checks_layout_context_out_and_resume_before_torchrun(tmp_path, ca
     for extra in ([], ["--ep", "2", "--ep-redundant", "1"]):
         code, err = train("--seq-len", "16", "--out", str(tmp_path / "old"), "--resume", *extra)
         assert code == 2 and "model config differs from this run's in ['n_experts']" in err, err
+    # the same config, trained at another learning rate: a resume needs the run's --lr
+    (step / "k3.json").write_text(json.dumps({"format": FORMAT, "step": 2, "config": get_config("tiny").to_dict(),
+                                              "train": {"batch_size": 2, "seq_len": 16, "accum": 1, "seed": 0,
+                                                        "lr": 1e-3}, "expert_loads": [[1.0] * 8] * 3}))
+    code, err = train("--seq-len", "16", "--out", str(tmp_path / "old"), "--resume")
+    assert code == 2 and "resume with --lr 0.001" in err, err

@@ -64,6 +64,21 @@ def test_resume_refuses_a_different_data_order(tmp_path, fake_data):
         t.fit()  # a fresh run would silently mix with the old checkpoint
 
 
+def test_resume_refuses_another_learning_rate_schedule(tmp_path, fake_data):
+    """`k3 train --resume` without the run's --lr trained on at the default lr: no longer an exact resume."""
+    cfg, data = get_config("tiny"), fake_data()
+    Trainer(cfg, TrainConfig(**dict(TINY, steps=2, lr=1e-3)), data, None, tmp_path).fit()
+    for change, msg in (({}, "lr is 0.001 in the checkpoint but 0.003 now; resume with --lr 0.001"),
+                        ({"lr": 1e-3, "warmup_steps": None}, "warmup_steps is 1 .* resume with --warmup-steps 1"),
+                        ({"lr": 1e-3, "weight_decay": 0.0}, r"resume with TrainConfig\(weight_decay=0.1\)"),
+                        ({"lr": 1e-3, "betas": (0.9, 0.99)}, "betas")):
+        t = Trainer(cfg, TrainConfig(**{**TINY, "steps": 4, **change}), data, None, tmp_path)
+        with pytest.raises(ckpt.CheckpointError, match=msg):
+            t.fit(resume=True)
+    ok = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, lr=1e-3)), data, None, tmp_path)  # more steps: fine
+    assert ok.fit(resume=True).steps_done == 4
+
+
 def test_resume_refuses_other_data(tmp_path, fake_data):
     """Same shapes, other tokens or tokenizer: the resumed steps would train on something else."""
     cfg, data = get_config("tiny"), fake_data()

@@ -40,7 +40,7 @@ from k3.parallel.pipeline import PipelineStage, check_tied_stages, prune_to_stag
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
 from k3.train.optim import build_optimizer
-from k3.train.trainer import DATA_FIELDS, TrainConfig, TrainResult, split_batch
+from k3.train.trainer import DATA_FIELDS, TrainConfig, TrainResult, check_schedule_fields, split_batch
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,7 @@ def check_resume_meta(meta: dict, config: K3Config, tc: TrainConfig, data_info: 
         if meta["train"][k] != getattr(tc, k):
             raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
                              f"{getattr(tc, k)!r} now; resume with the same {k}")
+    check_schedule_fields(meta["train"], tc, str(meta["path"]))
     data, data_info = meta.get("data") or {}, data_info or {}
     for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
         if k in data and k in data_info and data[k] != data_info[k]:

@@ -122,6 +122,27 @@ class TrainConfig:
 
 # Fields that must match for a resumed run to see the same batches and updates.
 RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+# ... and the same learning-rate schedule and update rule (read from the checkpoint's recorded train config;
+# `steps` may grow: the schedule is re-planned for the new total, as documented)
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "warmup_frac", "decay_frac", "min_lr_ratio", "schedule_shape",
+                   "weight_decay", "betas", "momentum", "grad_clip", "qk_clip_tau")
+_SCHEDULE_FLAGS = {"lr": "--lr", "warmup_steps": "--warmup-steps"}  # the ones `k3 train` exposes
+
+
+def check_schedule_fields(recorded: dict | None, tc: "TrainConfig", where: str) -> None:
+    """A resume must train with the learning-rate schedule and update rule its checkpoint was trained with
+    (`recorded`: the checkpoint's train config; an older checkpoint without one is not checked)."""
+    for k in SCHEDULE_FIELDS:
+        if not recorded or k not in recorded:
+            continue
+        have, now = recorded[k], getattr(tc, k)
+        if (list(have) if isinstance(have, (list, tuple)) else have) != \
+                (list(now) if isinstance(now, (list, tuple)) else now):
+            flag = _SCHEDULE_FLAGS.get(k)
+            fix = (f"resume with {flag} {have}" if have is not None else f"resume without {flag}") if flag else \
+                f"resume with TrainConfig({k}={have!r})"
+            raise ckpt.CheckpointError(f"{where}: {k} is {have!r} in the checkpoint but {now!r} now; {fix} "
+                                       "(or start a new run: a resume continues the same schedule)")
 DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
 
 
@@ -458,6 +479,7 @@ class Trainer:
                 raise ckpt.CheckpointError(
                     f"{manifest['path']}/manifest.json: data field {k!r} is {data[k]!r} in the checkpoint but "
                     f"{getattr(self.tc, k)!r} now; resume with the same {k} (or start a new run)")
+        check_schedule_fields(manifest.get("extra", {}).get("train"), self.tc, f"{manifest['path']}/manifest.json")
         for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
             if k in data and k in self.data_info and data[k] != self.data_info[k]:
                 raise ckpt.CheckpointError(
