@@ -112,6 +112,8 @@ def test_k3_policy_by_spec_from_a_checkpoint(tmp_path, model, tok, task, sandbox
     import k3.agentenv.rollout as rollout
     seen = {}
     monkeypatch.setattr(rollout, "run_rollouts", lambda tasks, spec, *a, **k: seen.update(spec) or [])
+    from k3.agentenv.policies import OpenAIChatPolicy
+    monkeypatch.setattr(OpenAIChatPolicy, "check_endpoint", lambda self, **k: None)  # no server on port 9
     main(["agentenv", "run", "--tasks", "files-rename-ext", "--policy", "http", "--base-url", "http://127.0.0.1:9",
           "--model", "m", "--max-tokens", "64", "--json"])
     assert seen.get("max_tokens") == 64

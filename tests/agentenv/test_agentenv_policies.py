@@ -15,11 +15,21 @@ from k3.agentenv.tasks import load_task, tasks_root
 class FakeServer:
     """A tiny OpenAI-compatible endpoint on 127.0.0.1 that replays scripted replies."""
 
-    def __init__(self, replies):
+    def __init__(self, replies, models=None, get_status=200):
         self.replies, self.requests = list(replies), []
         outer = self
 
         class H(BaseHTTPRequestHandler):
+            def do_GET(self):  # GET /v1/models: `models` listed, or 404 (a server without the route) when None
+                outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization")})
+                code = get_status if models is not None else 404
+                data = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in models or ()]})
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data.encode())
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, "body": body,
@@ -135,3 +145,66 @@ def test_broken_policies_never_succeed(sandbox):
     rec = run_episode(task, TextPolicy([d_text]), 0, EpisodeConfig(dialects=("react",), augment=False,
                                                                     sandbox=sandbox, max_steps=2))
     assert rec["status"] == "max_steps" and rec["reward"] == 0.0
+
+
+def test_http_endpoint_check_names_the_fix():
+    """Before any episode: a server that is not running, refuses the key, or serves another model is one clear
+    error; a server without a models route is not judged."""
+    srv = FakeServer([], models=["k3-tiny"])
+    try:
+        OpenAIChatPolicy(srv.url, "k3-tiny", api_key="sk").check_endpoint()
+        assert srv.requests[-1] == {"path": "/v1/models", "auth": "Bearer sk"}
+        with pytest.raises(PolicyError, match="does not serve the model 'k3-mini'; it serves k3-tiny: pass --model k3-tiny"):
+            OpenAIChatPolicy(srv.url, "k3-mini").check_endpoint()
+    finally:
+        srv.close()
+    srv = FakeServer([], models=["m"], get_status=401)
+    try:
+        with pytest.raises(PolicyError, match="refused the API key.*--api-key-env"):
+            OpenAIChatPolicy(srv.url, "m").check_endpoint()
+    finally:
+        srv.close()
+    srv = FakeServer([], models=None)
+    try:
+        OpenAIChatPolicy(srv.url, "anything").check_endpoint()  # 404: cannot tell, so no error
+    finally:
+        srv.close()
+    with pytest.raises(PolicyError, match="cannot reach http://127.0.0.1:9/v1 .*start the server first"):
+        OpenAIChatPolicy("http://127.0.0.1:9/v1", "m").check_endpoint(timeout_s=5)
+
+
+def test_run_http_checks_the_server_before_any_episode(tmp_path, capsys, monkeypatch):
+    """A server that is not running, or serves another model, failed every episode (after retries) and exited 0;
+    now it is one line and exit 2 before any episode; a run whose every episode failed exits 1."""
+    import k3.agentenv.rollout as rollout
+    import k3.agentenv.sandbox as sandbox
+
+    from k3.cli import main
+
+    def _err(capsys, *argv):
+        code = main(["agentenv", *argv])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return code, err
+
+    def boom(*a, **k):
+        raise AssertionError("episodes started")
+
+    monkeypatch.setattr(rollout, "run_rollouts", boom)
+    monkeypatch.setattr(sandbox, "check_sandbox", lambda: "ok")
+    out = ["--tasks", "sqlite-restock", "--out", str(tmp_path / "r.jsonl")]
+    code, err = _err(capsys, "run", "--policy", "http", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", *out)
+    assert code == 2 and "cannot reach http://127.0.0.1:9/v1" in err and "k3 serve" in err
+    srv = FakeServer([], models=["k3-tiny"])
+    try:
+        code, err = _err(capsys, "run", "--policy", "http", "--base-url", srv.url, "--model", "k3-mini", *out)
+        assert code == 2 and "pass --model k3-tiny" in err
+        monkeypatch.setattr(rollout, "run_rollouts", lambda tasks, spec, n, **kw: [
+            {"task_id": "t", "family": "sqlite", "dialect": "react", "reward": 0.0, "steps": 1, "duration_s": 0.1,
+             "parse_errors": 0, "status": "policy_error", "error": "HTTP 500"}] * n)
+        code, err = _err(capsys, "run", "--policy", "http", "--base-url", srv.url, "--model", "k3-tiny",
+                         "--episodes", "2", *out)
+        assert code == 1 and "every episode ended in a policy or sandbox error" in err
+    finally:
+        srv.close()
+    assert not (tmp_path / "r.jsonl").exists()

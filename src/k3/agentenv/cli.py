@@ -150,6 +150,12 @@ def _run(args) -> int:
         _load_k3(str(args.ckpt), None if args.tokenizer is None else str(args.tokenizer))  # fails here, not per episode
         spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=temperature,
                     max_tokens=args.max_tokens or 256, seed=args.seed)
+    if args.policy == "http":
+        from .policies import OpenAIChatPolicy, PolicyError
+        try:  # an unreachable server or another model fails here, not once per episode
+            OpenAIChatPolicy(args.base_url, args.model, api_key=spec["api_key"]).check_endpoint()
+        except PolicyError as e:
+            raise ValueError(str(e)) from None
     check_sandbox()
     cfg = EpisodeConfig(dialects=dialects, augment=not args.no_augment, max_steps=args.max_steps)
     records = run_rollouts(tasks, spec, len(tasks) if args.episodes is None else args.episodes, workers=args.workers,
@@ -163,6 +169,9 @@ def _run(args) -> int:
         print(f"trajectories: {args.out}")
     for line in error_report(records):
         print(line, file=sys.stderr)
+    if records and all(r.get("status") in ("policy_error", "sandbox_error") for r in records):
+        print("every episode ended in a policy or sandbox error: nothing was measured", file=sys.stderr)
+        return 1
     return 0
 
 

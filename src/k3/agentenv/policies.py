@@ -136,14 +136,41 @@ class OpenAIChatPolicy(Policy):
     def begin_episode(self, info: EpisodeInfo) -> None:
         self._dialect = info.dialect
 
-    def act(self, transcript):
-        body = {"model": self.model, "messages": transcript, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, **self.extra}
+    def _headers(self) -> dict:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def check_endpoint(self, timeout_s: float = 10.0) -> None:
+        """Before any episode: GET {base_url}/models answers and lists the model. Raises PolicyError naming the
+        fix when the server cannot be reached, refuses the key, or serves other models; a server without a
+        models route (404/405) or with a list in another shape is not judged here."""
+        req = urllib.request.Request(self.base_url + "/models", headers=self._headers(), method="GET")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                data = json.loads(resp.read(4 << 20))
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise PolicyError(f"{self.base_url}/models: HTTP {e.code}, the server refused the API key; set "
+                                  "the key's environment variable (--api-key-env NAME, default OPENAI_API_KEY)") from None
+            return
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            reason = getattr(e, "reason", e)
+            raise PolicyError(f"cannot reach {self.base_url} ({reason}); start the server first (e.g. "
+                              "`k3 serve --ckpt DIR --port 8000`) or pass its --base-url") from None
+        except json.JSONDecodeError:
+            return
+        ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []
+        if ids and self.model not in ids:
+            raise PolicyError(f"{self.base_url} does not serve the model {self.model!r}; it serves "
+                              f"{', '.join(map(str, ids))}: pass --model {ids[0]}")
+
+    def act(self, transcript):
+        body = {"model": self.model, "messages": transcript, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, **self.extra}
         req = urllib.request.Request(self.base_url + "/chat/completions",
-                                     data=json.dumps(body).encode(), headers=headers, method="POST")
+                                     data=json.dumps(body).encode(), headers=self._headers(), method="POST")
         last = None
         for attempt in range(self.retries + 1):
             try:
