@@ -178,6 +178,15 @@ def test_export_refuses_bad_requests(tmp_path):
     with pytest.raises(ValueError, match="training checkpoint.*does not replace"):
         export_mx(src, src, overwrite=True)
     assert sorted(p.name for p in src.iterdir()) == before
+    # a training run's folder (checkpoint/, metrics, plots): the export beside them would be what `--ckpt RUN` reads
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds checkpoint, metrics.jsonl, which an MX export does not write"):
+        export_mx(src, run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "metrics.jsonl"]
+    with pytest.raises(ValueError, match="is a file"):
+        export_mx(src, run / "metrics.jsonl")
     assert export_mx(src, tmp_path / "ex", overwrite=True).name == "step_000007"
     # an export of an earlier step replaces a later one whole, rather than leaving it beside the new one
     export_mx(src, tmp_path / "later")

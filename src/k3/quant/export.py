@@ -166,7 +166,14 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     if activations not in ("keep", "mxfp8", "mxfp4", "none"):
         raise ValueError(f"--activations {activations!r}: use keep, mxfp8, mxfp4 or none")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; the export is a checkpoint directory: give a directory")
     held = [p for _, p in ckpt.step_dirs(out)] if out.is_dir() else []
+    other = sorted(p.name for p in out.iterdir() if p not in held and p.name != ckpt.LATEST
+                   and not p.name.startswith(".step_")) if out.is_dir() else []
+    if other:  # e.g. a training run's folder: its checkpoint/ beside a step_* export would confuse `--ckpt OUT`
+        raise ValueError(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which an "
+                         "MX export does not write; give the export an --out of its own (a new or empty directory)")
     if held and not overwrite:
         raise ValueError(f"{out} already holds a checkpoint or export; pass --overwrite or another --out")
     trained = [p for p in held if not _is_export(p)]
