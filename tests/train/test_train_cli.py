@@ -116,6 +116,19 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     assert (out / ".k3-demo").is_file()
 
 
+def test_demo_whose_budget_ends_before_a_step_says_so(tiny_data_dir, tmp_path, capsys, monkeypatch):
+    """A budget that fits no step printed a summary with checkpoint None and `next:` commands that fail, exit 0."""
+    from k3.train.trainer import Trainer, TrainResult
+
+    monkeypatch.setattr(Trainer, "fit", lambda self, **k: TrainResult(steps_done=0, stopped_early=True))
+    out = tmp_path / "demo"
+    rc = main(["demo", "--preset", "tiny", "--data", str(tiny_data_dir), "--max-bytes", "300000", "--out", str(out),
+               "--minutes", "0.15", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2"])
+    cap = capsys.readouterr()
+    assert rc == 2 and "ended before the first training step" in cap.err and "raise --minutes" in cap.err
+    assert "next:" not in cap.out and not (out / "summary.json").exists()
+
+
 def test_demo_checks_sample_tokens_before_training(tiny_data_dir, tmp_path, capsys):
     """--sample-tokens that leaves no room for the sample prompts is refused before any training step."""
     from k3.config import get_config

@@ -347,6 +347,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'} (a new "
               "k3 demo starts over; `k3 sample`/`k3 eval --ckpt` read it)", file=sys.stderr)
         return 130
+    if not result.losses:  # nothing trained, nothing saved: no samples, plots or summary to show
+        raise ValueError(f"--minutes {args.minutes}: the time budget ended before the first training step (with its "
+                         f"final evaluation and save) could run on this machine; raise --minutes")
 
     samples = []
     for i, prompt in enumerate(DEMO_PROMPTS):
