@@ -1,5 +1,7 @@
 """`k3 train --nproc/--ep/--fsdp/--pp` refuses a mesh that does not factor before starting any process;
 `k3 mesh` lays out the ranks; the torchrun re-launch command is well formed."""
+import pytest
+
 from k3.cli import main
 from k3.parallel.cli import _without_nproc
 from k3.parallel.launch import torchrun_command
@@ -59,8 +61,11 @@ def test_expert_parallel_flags_are_checked_before_any_process_starts(capsys, mon
     other = "cpu" if torch.cuda.is_available() else "cuda"  # not what a distributed run here computes on
     assert main([*tiny, "--nproc", "2", "--device", other]) == 2
     assert "drop --device" in capsys.readouterr().err
-    assert main(["mesh", "--preset", "mini", "--nproc", "4", "--ep", "2", "--ep-redundant", "1"]) == 2
-    assert "applies to k3 train" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ex:  # mesh does not take the flag at all (its --help listed it)
+        main(["mesh", "--preset", "mini", "--nproc", "4", "--ep", "2", "--ep-redundant", "1"])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --ep-redundant 1" in err
 
 
 def test_mesh_errors_name_cli_flags_and_print_nothing_first(capsys):

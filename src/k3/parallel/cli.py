@@ -13,13 +13,17 @@ import subprocess
 import sys
 
 
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("distributed (torch.distributed; gloo on CPU, NCCL on CUDA)")
-    g.add_argument("--nproc", type=int, default=1, help="processes on this machine; > 1 re-launches via torchrun")
+def add_parallel_args(p: argparse.ArgumentParser, mesh: bool = False) -> None:
+    """The layout flags of `k3 train`; `mesh`: those `k3 mesh` reads (it lays ranks out, it launches nothing)."""
+    g = p.add_argument_group("layout" if mesh else "distributed (torch.distributed; gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="world size to lay out" if mesh else "processes on this machine; > 1 re-launches via torchrun")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (routed experts sharded over them)")
     g.add_argument("--fsdp", type=int, default=0, help="FSDP2 shard ranks for the non-expert weights (0 = all)")
     g.add_argument("--pp", type=int, default=1,
                    help="pipeline stages (GPipe over the --accum micro-batches; world = pp x data-parallel ranks)")
+    if mesh:
+        return
     g.add_argument("--ep-redundant", type=int, default=0, metavar="N",
                    help="N redundant expert slots per EP rank (needs --ep > 1): with --resume, experts are placed "
                         "and hot ones replicated from the loads the checkpoint observed (EPLB-style); on a new run, "
@@ -227,8 +231,6 @@ def cmd_mesh(args: argparse.Namespace) -> int:
 
     dims = _dims(args.nproc, args)
     config = config_from_args(args)
-    if getattr(args, "ep_redundant", 0):
-        raise ValueError("k3 mesh shows the contiguous expert layout; --ep-redundant applies to k3 train")
     moe = config.n_dense_layers < config.n_layers
     if moe and config.n_experts % dims.ep:
         fits = [e for e in range(1, config.n_experts + 1) if config.n_experts % e == 0]
@@ -260,5 +262,5 @@ def register(sub) -> None:
 
     p = sub.add_parser("mesh", help="show how N ranks split into pipeline / FSDP / expert-parallel groups")
     add_config_args(p, default="k3")
-    add_parallel_args(p)
+    add_parallel_args(p, mesh=True)
     p.set_defaults(func=cmd_mesh)
