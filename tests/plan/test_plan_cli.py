@@ -118,3 +118,5 @@ def test_plot_path_checked_before_planning(tmp_path, capsys, monkeypatch):
     (tmp_path / "f").write_text("")
     code, _, err = _run(capsys, "--plot", str(tmp_path / "f" / "w.png"))
     assert code == 2 and "is a file, not a directory" in err
+    code, _, err = _run(capsys, "--plot", str(tmp_path / "walls.txt"))  # a PNG under another name
+    assert code == 2 and "ending in .png" in err and not (tmp_path / "walls.txt").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from k3.cli_checks import output_file
 from k3.model.cli import add_config_args, config_from_args
@@ -155,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "(or drop --min-gpus to plan that layout)")
     if args.plot:
         output_file("--plot", args.plot, "walls.png")
+        if Path(args.plot).suffix.lower() != ".png":
+            raise ValueError(f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png")
     names = parse_what_ifs(args.what_if) if args.what_if else []
     out: dict = {}
     if args.min_gpus:
@@ -191,7 +194,7 @@ def register(sub) -> None:
                        description="Per-GPU memory, decode bandwidth, communication, compute and latency bounds of a "
                                    "K3 configuration on a parallel layout, computed from the meta-instantiated model.")
     add_config_args(p, default="k3")
-    p.add_argument("--hardware", default="h200", help="preset (h100, h200, b200, gb200-nvl72) or a FILE.yaml")
+    p.add_argument("--hardware", default="h200", help="preset (h100, h200, b200, gb200-nvl72) or a FILE.yaml (default h200)")
     for k, h in (("tp", "tensor parallel"), ("ep", "expert parallel (divides tp x dp)"), ("pp", "pipeline stages"),
                  ("dp", "data-parallel replicas")):
         p.add_argument(f"--{k}", type=int, default=None, help=f"{h} size (default 1)")

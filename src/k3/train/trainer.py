@@ -819,7 +819,8 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         inner = path / "checkpoint"
         hint = (f"; {inner} holds one: pass that" if _holds_distributed_checkpoint(inner)
                 or ckpt.latest_checkpoint(inner) else "")
-        raise ValueError(f"no checkpoint at {path}; train one with `k3 train --out DIR` (it writes DIR/checkpoint)"
+        raise ValueError(f"no checkpoint at {path}; train one with `k3 train --out DIR` (it writes DIR/checkpoint) "
+                         "or `k3 demo` (runs/demo/checkpoint)"
                          + hint)
     manifest = ckpt.read_manifest(found, verify=False)
     if "mx_export" in manifest.get("extra", {}):  # written by `k3 export --format mx`: packed routed experts
