@@ -313,7 +313,7 @@ def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir
     user = tmp_path / "userdir"
     user.mkdir()
     (user / "train.json").write_text('{"mine": true}')
-    with pytest.raises(ValueError, match="not written by k3"):
+    with pytest.raises(ValueError, match="not k3 data files"):
         prepare_data(user, str(text_dir), vocab_size=512, decontaminate=0)
     assert (user / "train.json").read_text() == '{"mine": true}'
     assert not prepare_data(user, str(text_dir), vocab_size=512, decontaminate=0, force=True).reused
@@ -327,6 +327,14 @@ def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir
     for name in ("data.json", "train.json", "val.json"):
         (failed / name).unlink()
     assert not prepare_data(failed, str(text_dir), vocab_size=512, decontaminate=0).reused
+    # ... but a k3 tokenizer beside another tool's files (a `k3 distill teachers` root) is not a data build
+    teachers = tmp_path / "teachers"
+    teachers.mkdir()
+    (teachers / "tokenizer.json").write_bytes((failed / "tokenizer.json").read_bytes())
+    (teachers / "teachers.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds tokenizer.json, not k3 data files"):
+        prepare_data(teachers, str(text_dir), vocab_size=512, decontaminate=0)
+    assert sorted(p.name for p in teachers.iterdir()) == ["teachers.json", "tokenizer.json"]
     (failed / ".k3-data").unlink()
     (failed / "data.json").write_text('{"request": {"source": 5}}')
     for name in ("train.json", "val.json"):

@@ -319,6 +319,10 @@ def held_source(data_dir: str | os.PathLike) -> str | None:
     return None
 
 
+_DATA_FILE_NAMES = {DATA_MARK, DATA_MANIFEST, TOKENIZER_FILE} | {f"{split}{ext}" for split in ("train", "val")
+                                                                  for ext in (".bin", ".json", ".docs.npy")}
+
+
 def _written_by_k3(data_dir: Path) -> bool:
     """Whether a directory's files are k3's data files even without a readable source record: the build marker
     (written before a build starts), or a manifest, split record or tokenizer of k3's shape (a build interrupted
@@ -337,7 +341,9 @@ def _written_by_k3(data_dir: Path) -> bool:
         tok = (data_dir / TOKENIZER_FILE).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return False
-    return all(t in tok for t in SPECIAL_TOKENS)
+    # a k3 tokenizer alone says little: `k3 distill teachers` and `k3 rl` roots hold one too, beside their own files
+    return all(t in tok for t in SPECIAL_TOKENS) and all(
+        p.name in _DATA_FILE_NAMES or p.name.startswith(".") for p in data_dir.iterdir())  # "." : atomic-write temps
 
 
 def same_corpus(a: str, b: str) -> bool:
@@ -383,10 +389,9 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
                          "replace it (and strand the checkpoints trained on it): use another directory, or "
                          "`k3 tokenize --force` to replace it")
     if not force and held is None and not _written_by_k3(out_dir):
-        ours = [n for n in (DATA_MANIFEST, TOKENIZER_FILE, "train.bin", "train.json", "train.docs.npy", "val.bin",
-                            "val.json", "val.docs.npy") if (out_dir / n).exists()]
+        ours = [n for n in sorted(_DATA_FILE_NAMES - {DATA_MARK}) if (out_dir / n).exists()]
         if ours:
-            raise ValueError(f"{out_dir} holds {', '.join(ours)}, not written by k3 (no data record there); building "
+            raise ValueError(f"{out_dir} holds {', '.join(ours)}, not k3 data files (no data record there); building "
                              "the data there would replace them: use another directory, or `k3 tokenize --force` to "
                              "replace them")
     if not force and (out_dir / DATA_MANIFEST).is_file():
