@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)) else ""
         print(f"k3 {args.command}: error: {e}{hint}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"k3 {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a loop that knows how to continue says so in the exception
+        print(f"k3 {args.command}: interrupted" + (f": {e}" if str(e) else ""), file=sys.stderr)
         return 130
 
 
