@@ -314,6 +314,10 @@ def test_distill_errors_name_the_distill_fix(tmp_path, capsys, trained_teachers,
     t = _copy(trained_teachers, tmp_path)
     mopd = ["distill", "mopd", "--teachers", str(t), "--out", str(tmp_path / "m"), "--cells", "arith/low", "--steps",
             "1", "--eval-n", "0", "-q"]
+    before = sorted(p.name for p in t.iterdir())
+    assert main([*mopd[:5], str(t), *mopd[6:]]) == 2  # --out the matrix itself
+    assert "is a teacher matrix (it holds teachers.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in t.iterdir()) == before
     shutil.rmtree(t / "arith-low")
     assert main(mopd) == 2
     err = capsys.readouterr().err

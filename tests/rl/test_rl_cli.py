@@ -110,12 +110,46 @@ def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
         (train + ["--init", "../warmstart"], "--init '../warmstart' must be a plain directory name"),
         (train + ["--init", "g1", "--name", "g1"], "--init g1 and --name g1 are the same run"),
         (train + ["--decay-frac", "2"], "--decay-frac 2.0 must be a fraction"),
+        (train + ["--eps-low", "1.5"], "need 0 < --eps-low < 1, --eps-high > 0 and --beta >= 0"),
+        (train + ["--group-size", "1"], "--group-size 1: group-relative advantages need at least 2"),
     ]
     for argv, says in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, (argv, err)
     assert not root.exists()
+
+    # another tool's directory as --root: nothing written into it (a teachers matrix's tokenizer was replaced)
+    from k3.data.tokenizer import SETTINGS_FILE, train_tokenizer
+    teachers = tmp_path / "teachers"
+    teachers.mkdir()
+    (teachers / "teachers.json").write_text("{}")
+    for argv in (["rl", "warmstart", "--root", str(teachers), "-q"], ["rl", "train", "--root", str(teachers), "-q"]):
+        assert main(argv) == 2
+        assert "holds teachers.json: it is a `k3 distill teachers` matrix" in capsys.readouterr().err
+    assert sorted(p.name for p in teachers.iterdir()) == ["teachers.json"]
+    # a tokenizer built with other settings is refused before the demonstrations are collected (they replaced
+    # ROOT/demos.jsonl, and the refusal came after)
+    exp = tmp_path / "exp2"
+    exp.mkdir()
+    train_tokenizer(["a b c d e f"] * 50, 300, path=exp / "tokenizer.json", allow_short=True)
+    (exp / SETTINGS_FILE).write_text('{"vocab_size": 300}')
+    (exp / "demos.jsonl").write_text('{"kept": 1}\n')
+    assert main(["rl", "warmstart", "--root", str(exp), "-q"]) == 2
+    assert "was built with other settings" in capsys.readouterr().err
+    assert (exp / "demos.jsonl").read_text() == '{"kept": 1}\n' and not (exp / "tasks").exists()
+
+
+def test_damaged_demonstrations_name_their_file(tmp_path):
+    import pytest
+
+    from k3.rl.train import demo_pool, read_demos
+    (tmp_path / "demos.jsonl").write_text('{"models": {"warmstart": {}}}')  # an intent report written over it
+    with pytest.raises(ValueError, match="demos.jsonl does not hold k3 rl demonstrations; delete it"):
+        read_demos(tmp_path / "demos.jsonl")
+    (tmp_path / "demos.jsonl").write_text("{'x'\n")
+    with pytest.raises(ValueError, match="demos.jsonl is damaged .*delete it"):
+        demo_pool(tmp_path, 1, 1)
 
 
 def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
@@ -125,7 +159,7 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
     root = tmp_path / "exp"
     root.mkdir()
     train_tokenizer(["a b c d e f"] * 50, 300, path=root / "tokenizer.json", allow_short=True)
-    (root / "eval.json").write_text('{"kept": true}')
+    (root / "eval.json").write_text('{"models": {}, "kept": true}')  # an earlier report
     (root / "adir").mkdir()
     ev = ["rl", "eval", "--root", str(root)]
     it = ["rl", "intent", "--root", str(root)]
@@ -142,12 +176,18 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
         (it + ["--n", "0"], "--n 0 must be a positive integer"),
         (it + ["--models", ""], "--models '' names nothing"),
         (it + ["--out", str(root / "adir")], "is a directory; give a file path"),
+        # the experiment's own files, or a file that is not an earlier report, are never replaced by a report
+        (it + ["--out", str(root / "demos.jsonl")], "is one of the experiment's own files"),
+        (ev + ["--out", str(root / "tokenizer.json")], "is one of the experiment's own files"),
+        (ev + ["--out", str(root / "mine.json")], "exists and is not an earlier k3 rl report"),
     ]
+    (root / "mine.json").write_text('{"mine": 1}')
     for argv, says in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, (argv, err)
-    assert (root / "eval.json").read_text() == '{"kept": true}'
+    assert (root / "eval.json").read_text() == '{"models": {}, "kept": true}'
+    assert (root / "mine.json").read_text() == '{"mine": 1}'
 
     # a run that holds a checkpoint: continued or replaced, and the flag that picks another is --name
     (root / "g1" / "checkpoint" / "step_000001").mkdir(parents=True)

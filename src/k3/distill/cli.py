@@ -362,6 +362,9 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     if not args.reward_coef >= 0:  # NaN too (it switched the reward off)
         raise ValueError(f"--reward-coef {args.reward_coef} must be a number >= 0 (0: no verifier reward)")
     output_dir("--out", args.out)
+    if (Path(args.out) / "teachers.json").exists():  # the run's checkpoint and metrics would land in the matrix
+        raise ValueError(f"--out {args.out} is a teacher matrix (it holds teachers.json); give the distillation run "
+                         "an --out of its own")
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None

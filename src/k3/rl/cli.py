@@ -89,11 +89,34 @@ def _check_fresh(run: Path, args, other: str) -> None:
                          f"or {other}")
 
 
+# config field -> the flag that sets it, so a config's error names what the user typed
+_FLAGS = {"groups_per_step": "--groups", "group_size": "--group-size", "max_tokens": "--max-tokens",
+          "updates_per_batch": "--updates-per-batch", "micro_batch": "--micro-batch", "temperature": "--temperature",
+          "agg": "--agg", "harness": "--harness", "fixed_dialect": "--fixed-dialect", "eps_low": "--eps-low",
+          "eps_high": "--eps-high", "beta": "--beta", "max_turns": "--max-turns", "steps": "--steps", "lr": "--lr",
+          "warmup_steps": "--warmup", "decay_frac": "--decay-frac", "ckpt_every": "--ckpt-every",
+          "keep_last": "--keep-last", "grad_clip": "--grad-clip"}
+
+
+def _validated(make):
+    """make() -> a validated config; its ValueError reworded with the flags instead of the config's fields."""
+    import re
+    try:
+        return make()
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _FLAGS.items():
+            msg = re.sub(rf"\b{field} = ", f"{flag} ", msg)
+            if "_" in field or field == "beta":  # identifiers, never words of the message's prose
+                msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
+        raise ValueError(msg) from None
+
+
 def _loop_config(args, **defaults):
     from k3.distill.loop import LoopConfig
-    return LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac,
-                      ckpt_every=args.ckpt_every, keep_last=args.keep_last, seed=args.seed, grad_clip=args.grad_clip,
-                      **defaults).validate()
+    return _validated(lambda: LoopConfig(
+        steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac, ckpt_every=args.ckpt_every,
+        keep_last=args.keep_last, seed=args.seed, grad_clip=args.grad_clip, **defaults).validate())
 
 
 def _tokenizer(root: Path):
@@ -124,22 +147,68 @@ def _check_models(root: Path, names: list[str]) -> None:
                          f"k3 rl train --name NAME), or name other --models")
 
 
-def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer):
-    """ROOT/tokenizer.json, built once per experiment from the demonstrations. Reused when the flags that made it
-    (recorded beside it) are the same; a different --vocab-size, --tokenizer-prompts or demonstration set is
-    refused, or, with --overwrite, rebuilds it."""
-    from k3.data.tokenizer import record_tokenizer_settings, reuse_built_tokenizer
-    want = {"vocab_size": args.vocab_size, "tokenizer_prompts": args.tokenizer_prompts,
+def _tokenizer_settings(args) -> dict:
+    return {"vocab_size": args.vocab_size, "tokenizer_prompts": args.tokenizer_prompts,
             "demos": {"tasks_per_kind": args.tasks_per_kind, "demos_per_task": args.demos_per_task,
                       "seed": args.seed, "harness": args.demo_harness}}
-    tok_path = root / "tokenizer.json"
-    if reuse_built_tokenizer(tok_path, want, args.overwrite,
-                             f"Pass the same flags to reuse it, or --overwrite to rebuild it (runs under {root} trained "
-                             "with the old tokenizer will then refuse to load), or use another --root"):
+
+
+def _reuse_tokenizer(root: Path, args) -> bool:
+    """Whether ROOT/tokenizer.json (built once per experiment from the demonstrations) is reused: the flags that
+    made it (recorded beside it) are the same. A different --vocab-size, --tokenizer-prompts or demonstration set
+    is refused here, before the demonstrations are collected (they would replace ROOT/demos.jsonl), or, with
+    --overwrite, rebuilds it."""
+    from k3.data.tokenizer import reuse_built_tokenizer
+    return reuse_built_tokenizer(root / "tokenizer.json", _tokenizer_settings(args), args.overwrite,
+                                 f"Pass the same flags to reuse it, or --overwrite to rebuild it (runs under {root} "
+                                 "trained with the old tokenizer will then refuse to load), or use another --root")
+
+
+def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer, reuse: bool):
+    from k3.data.tokenizer import record_tokenizer_settings
+    if reuse:
         return _tokenizer(root)
     tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
-    record_tokenizer_settings(tok_path, want)
+    record_tokenizer_settings(root / "tokenizer.json", _tokenizer_settings(args))
     return tok
+
+
+# files that mark a directory as another tool's: a k3 rl --root never holds them
+_FOREIGN = {"teachers.json": "a `k3 distill teachers` matrix", "data.json": "a `k3 tokenize` data folder",
+            ".k3-data": "a `k3 tokenize` data folder", "metrics.jsonl": "a training run",
+            "summary.json": "a `k3 demo` or ablation run"}
+
+
+def _check_report_out(root: Path, out: Path) -> None:
+    """A report's --out: a file path, not one of the experiment's own files (demonstrations, tokenizer), and, when
+    it exists, an earlier report (a JSON object with "models") that may be replaced."""
+    import json
+
+    from k3.data.tokenizer import SETTINGS_FILE
+    output_file("--out", out)
+    own = {(root / n).resolve() for n in ("demos.jsonl", "tokenizer.json", SETTINGS_FILE)}
+    if out.resolve() in own:
+        raise ValueError(f"--out {out} is one of the experiment's own files; the report would replace it: give "
+                         "another path")
+    if out.is_file():
+        try:
+            earlier = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            earlier = None
+        if not isinstance(earlier, dict) or "models" not in earlier:
+            raise ValueError(f"--out {out} exists and is not an earlier k3 rl report; the report would replace it: "
+                             "give another path")
+
+
+def _check_root(root: Path) -> None:
+    """ROOT is an rl experiment's (or new): one of another tool would get demonstrations, tasks and a tokenizer
+    written into it (and --overwrite would replace that tool's tokenizer)."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--root {root} is a file; give a directory")
+    for name, what in _FOREIGN.items():
+        if (root / name).exists():
+            raise ValueError(f"--root {root} holds {name}: it is {what}, not a k3 rl experiment; give k3 rl a "
+                             "--root of its own")
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -158,13 +227,15 @@ def cmd_warmstart(args) -> dict:
     lcfg = _loop_config(args)
     set_threads(args.threads)
     root = Path(args.root)
+    _check_root(root)
     _check_fresh(root / "warmstart", args, "another --root")
+    reuse = _reuse_tokenizer(root, args)
     t0 = time.perf_counter()
     demos = demo_pool(root, args.tasks_per_kind, args.demos_per_task, args.seed, workers=args.workers,
                       harness=args.demo_harness)
     if not demos:
         raise ValueError("no demonstration verified; check `k3 agentenv check`")
-    tok = _warmstart_tokenizer(root, demos, args, make_tokenizer)
+    tok = _warmstart_tokenizer(root, demos, args, make_tokenizer, reuse)
     print(f"{len(demos)} demonstrations, tokenizer {tok.vocab_size} tokens ({time.perf_counter() - t0:.1f}s)",
           file=sys.stderr)
     model = new_model(args.preset, tok, args.max_context, args.seed, **overrides)
@@ -183,11 +254,11 @@ def cmd_warmstart(args) -> dict:
 
 def _grpo_config(args):
     from k3.rl.train import GRPOConfig
-    return GRPOConfig(groups_per_step=args.groups, group_size=args.group_size, temperature=args.temperature,
-                      max_tokens=args.max_tokens, updates_per_batch=args.updates_per_batch, eps_low=args.eps_low,
-                      eps_high=args.eps_high, beta=args.beta, agg=args.agg, scale_rewards=not args.no_std,
-                      harness=args.harness, fixed_dialect=args.fixed_dialect, max_turns=args.max_turns,
-                      micro_batch=args.micro_batch).validate()
+    return _validated(lambda: GRPOConfig(
+        groups_per_step=args.groups, group_size=args.group_size, temperature=args.temperature,
+        max_tokens=args.max_tokens, updates_per_batch=args.updates_per_batch, eps_low=args.eps_low,
+        eps_high=args.eps_high, beta=args.beta, agg=args.agg, scale_rewards=not args.no_std, harness=args.harness,
+        fixed_dialect=args.fixed_dialect, max_turns=args.max_turns, micro_batch=args.micro_batch).validate())
 
 
 def cmd_train(args) -> dict:
@@ -203,6 +274,7 @@ def cmd_train(args) -> dict:
     at_least(args, 1, "--tasks-per-kind")
     set_threads(args.threads)
     root = Path(args.root)
+    _check_root(root)
     gcfg = _grpo_config(args)
     lcfg = _loop_config(args)
     _check_fresh(root / args.name, args, "another --name")
@@ -237,7 +309,7 @@ def cmd_eval(args) -> dict:
     at_least(args, 1, "--n-per-kind", "--variants", "--max-tokens")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "eval.json"
-    output_file("--out", out)
+    _check_report_out(root, out)
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)
@@ -266,20 +338,20 @@ def cmd_eval(args) -> dict:
 def cmd_intent(args) -> dict:
     """Teacher-forced command choice per task kind on demonstrations (does the policy read the instruction?)."""
     import random
-    from k3.rl.train import command_choice, write_json
+    from k3.rl.train import command_choice, read_demos, write_json
     from k3.train.cli import set_threads
     names = _names("--models", args.models)
     at_least(args, 1, "--n")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "intent.json"
-    output_file("--out", out)
+    _check_report_out(root, out)
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)
     path = root / "demos.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist; run `k3 rl warmstart --root {root}` first")
-    demos = [json.loads(x) for x in path.read_text().splitlines()[1:] if x.strip()]
+    demos = read_demos(path)[1]
     if args.dialect:
         demos = [d for d in demos if d["dialect"] == args.dialect]
     random.Random(args.seed).shuffle(demos)

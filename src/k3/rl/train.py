@@ -55,6 +55,21 @@ def make_tokenizer(out: str | os.PathLike, demo_records: Sequence[dict], vocab_s
     return train_tokenizer(texts, vocab_size, path=Path(out) / "tokenizer.json", allow_short=True)
 
 
+def read_demos(path: str | os.PathLike) -> tuple[dict | None, list[dict]]:
+    """ROOT/demos.jsonl -> (the settings line, the demonstrations); a damaged file is a ValueError naming it."""
+    path = Path(path)
+    try:
+        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is damaged ({e}); delete it and `k3 rl warmstart` collects the demonstrations "
+                         "again (the same flags give the same ones)") from None
+    if rows and not (all(isinstance(r, dict) for r in rows) and "n_tasks_per_kind" in rows[0]
+                     and all("transcript" in r for r in rows[1:])):
+        raise ValueError(f"{path} does not hold k3 rl demonstrations; delete it and `k3 rl warmstart` collects "
+                         "them again")
+    return (rows[0] if rows else None), rows[1:]
+
+
 def demo_pool(out: str | os.PathLike, n_tasks_per_kind: int, demos_per_task: int, seed: int = 0,
               workers: int = 4, sandbox: SandboxConfig | None = None, harness: str = "canonical") -> list[dict]:
     """Demonstrations (verified episodes) over the training tasks, each in a harness drawn from `harness`
@@ -64,9 +79,9 @@ def demo_pool(out: str | os.PathLike, n_tasks_per_kind: int, demos_per_task: int
     meta = {"n_tasks_per_kind": n_tasks_per_kind, "demos_per_task": demos_per_task, "seed": seed,
             "harness": harness}
     if path.exists():
-        lines = path.read_text().splitlines()
-        if lines and json.loads(lines[0]) == meta:
-            return [json.loads(x) for x in lines[1:]]
+        held_meta, held = read_demos(path)
+        if held_meta == meta:
+            return held
     tasks = build_tasks(Path(out) / "tasks", "train", n_tasks_per_kind)
     jobs = [(t, _seed("demo", seed, t.id, k)) for t in tasks for k in range(demos_per_task)]
     cfg = episode_config(harness, **({"sandbox": sandbox} if sandbox else {}))
