@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(BIN)/k3 demo
 
 bench: setup
+	$(BIN)/python benchmarks/peaks.py --json
 	$(BIN)/python benchmarks/kda.py --json
 	$(BIN)/python benchmarks/moe.py --json
 	$(BIN)/python benchmarks/mx.py --json

@@ -1,6 +1,6 @@
 """Load balancing on a small MoE stack: none vs aux_loss vs bias vs quantile, same data, same seed.
 
-    python benchmarks/balancing.py [--json] [--steps N] [--quick] [--aux-coef C]
+    python benchmarks/balancing.py [--json] [--steps N] [--quick] [--aux-coef C] [--methods none,bias@1e-2,...]
 
 Task: next-token prediction on a first-order Markov chain over a Zipf-skewed vocabulary: after token t the
 next token is succ[t] (a fixed random map) with probability 1/2, else a draw from Zipf(1.1). Frequent
@@ -29,6 +29,11 @@ from k3.model.moe import MoE
 from k3.benchtools import bench_out, machine, write_result, positive_int
 
 METHODS = ("none", "aux_loss", "bias", "quantile")
+# the default runs: each method at the config's default (bias: DeepSeek-V3's gamma 1e-3; aux: 1e-4, DeepSeek-V3's
+# coefficient for its complementary sequence-wise loss), and the two tunable ones at a stronger setting too, since
+# 200 steps of gamma 1e-3 move a bias by at most 0.2 (a short run handicaps them at the defaults)
+DEFAULT_RUNS = "none,aux_loss,aux_loss@1e-2,bias,bias@1e-2,quantile"
+KNOB = {"aux_loss": "aux_loss_coef", "bias": "bias_update_rate"}
 
 
 class MarkovZipf:
@@ -78,9 +83,21 @@ class MoEStack(nn.Module):
         return self.head(self.norm(x))
 
 
-def train(method: str, cfg, batches: list, steps: int, n_layers: int, batch: int, seq: int, lr: float) -> dict:
+def parse_run(spec: str) -> tuple[str, float | None]:
+    """'bias' or 'bias@1e-2' (the method at another aux_loss_coef / bias_update_rate) -> (method, value)."""
+    method, _, value = spec.partition("@")
+    if method not in METHODS or (value and method not in KNOB):
+        raise ValueError(f"{spec!r}: use one of {', '.join(METHODS)}, or {' / '.join(KNOB)}@VALUE")
+    try:
+        return method, (float(value) if value else None)
+    except ValueError:
+        raise ValueError(f"{spec!r}: {value!r} is not a number") from None
+
+
+def train(spec: str, cfg, batches: list, steps: int, n_layers: int, batch: int, seq: int, lr: float) -> dict:
     torch.manual_seed(0)
-    cfg = cfg.replace(balancing=method)
+    method, value = parse_run(spec)
+    cfg = cfg.replace(balancing=method, **({KNOB[method]: value} if value is not None else {}))
     model = MoEStack(cfg, n_layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses, imbalance = [], []
@@ -113,6 +130,7 @@ def train(method: str, cfg, batches: list, steps: int, n_layers: int, batch: int
         "imbalance_curve": [round(statistics.mean(statistics.mean(r) for r in imbalance[i:i + max(1, steps // 10)]), 3)
                             for i in range(0, steps, max(1, steps // 10))],
         "bias_abs_max": max(m.router.bias.abs().max().item() for m in model.moes),
+        **({KNOB[method]: getattr(cfg, KNOB[method])} if method in KNOB else {}),
         "wall_s": wall,
     }
 
@@ -123,14 +141,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=positive_int, default=200)
     ap.add_argument("--quick", action="store_true", help="30 steps, for a smoke test")
     ap.add_argument("--aux-coef", type=float, default=None, help="override aux_loss_coef (config default 1e-4)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=DEFAULT_RUNS,
+                    help=f"comma-separated runs: a method ({', '.join(METHODS)}), or aux_loss@COEF / bias@GAMMA "
+                         f"(default {DEFAULT_RUNS})")
     ap.add_argument("--threads", type=positive_int, default=1,
                     help="torch threads (default 1: these ops are small, and on a shared CPU extra threads "
                          "mostly wait at barriers)")
     args = ap.parse_args(argv)
-    unknown = [m for m in args.methods.split(",") if m not in METHODS]
-    if unknown:
-        ap.error(f"--methods: {unknown} unknown; choose from {','.join(METHODS)}")
+    for spec in args.methods.split(","):
+        try:
+            parse_run(spec)
+        except ValueError as e:
+            ap.error(f"--methods: {e}")
     torch.set_num_threads(args.threads)
     steps = 30 if args.quick else args.steps
     vocab, n_layers, batch, seq, lr = 512, 2, 16, 128, 3e-3
@@ -147,7 +169,7 @@ def main(argv=None) -> dict:
         results[method] = train(method, cfg, batches, steps, n_layers, batch, seq, lr)
         if not args.json:
             r = results[method]
-            print(f"{method:9s} loss {r['final_loss']:.4f}  load max/mean {r['load_max_over_mean']:.2f} "
+            print(f"{method:14s} loss {r['final_loss']:.4f}  load max/mean {r['load_max_over_mean']:.2f} "
                   f"(step 0: {r['load_max_over_mean_first_step']:.2f})  {r['wall_s']:.0f} s")
     out = {
         "benchmark": "balancing",

@@ -12,7 +12,10 @@ and the bytes between pipeline stages for Block vs Full AttnRes. Everything is m
 2. load skew: one ExpertParallel layer (64 experts, top-8, latent 128) over 4 ranks fed with routing drawn
    from Zipf(s) over the experts (k distinct experts per token). Batch A's observed loads build a balanced
    placement (2 redundant slots per rank); batch B, drawn afresh, is dispatched with the contiguous and the
-   balanced placement; the tokens each rank actually received give max/mean before and after.
+   balanced placement; the tokens each rank actually received give max/mean before and after. Zipf's hot experts
+   have the lowest ids, so contiguous shards are the worst case; the same batch is also dispatched with the
+   experts in one random order (`shuffled`), and the expected max/mean over 200 random orders (from batch A's
+   loads) gives the typical case.
 3. pipeline: tiny split into 2 stages (send/recv of the AttnRes sources); payload bytes per micro-batch
    for attnres block and full; `block_over_full_stage_bytes` against the sources ratio
    k3.model.accounting.pipeline_sources predicts, plus the predicted ratios for the k3 preset.
@@ -109,7 +112,18 @@ def _skew(rank, world, n_experts, top_k, dim, tokens, zipf_s, redundant_per_rank
     balanced = balanced_placement(loads, world, n_experts // world + redundant_per_rank)
     z, w, idx = draw(2)  # batch B: measured
     out = {}
-    for name, placement in (("before", contiguous_placement(n_experts, world)), ("after", balanced)):
+    # Zipf popularity is sorted by expert id, so contiguous shards are the worst case (the hottest experts all on
+    # rank 0); experts in a random order over the ranks (one seeded permutation) is the typical case
+    from k3.parallel.placement import Placement
+    perm = torch.randperm(n_experts, generator=torch.Generator().manual_seed(0))
+    shuffled = Placement(n_experts, world, tuple(perm.tolist()))
+    out["shuffled_order"] = perm.tolist()
+    orders = [Placement(n_experts, world, tuple(torch.randperm(n_experts, generator=torch.Generator().manual_seed(s))
+                                                .tolist())) for s in range(200)]
+    out["shuffled_expected_over_200_orders"] = sorted(float(o.rank_loads(loads).max() / o.rank_loads(loads).mean())
+                                                      for o in orders)
+    for name, placement in (("before", contiguous_placement(n_experts, world)), ("shuffled", shuffled),
+                            ("after", balanced)):
         ep = ExpertParallel(experts, placement, dist.group.WORLD)
         with torch.no_grad():
             ep(z, w, idx)
@@ -254,10 +268,16 @@ def main(argv=None) -> dict:
         "payload_run": {"model": "mini", "ep": 2, "batch_per_rank": [batch, seq], "repeats": repeats,
                         "per_rank": pay},
         "rank_load_max_over_mean_before": max_over_mean(torch.tensor(sk["before"])),
+        "rank_load_max_over_mean_shuffled": max_over_mean(torch.tensor(sk["shuffled"])),
+        "rank_load_max_over_mean_random_order_median":
+            statistics.median(sk["shuffled_expected_over_200_orders"]),
+        "rank_load_max_over_mean_random_order_p90":
+            sk["shuffled_expected_over_200_orders"][int(0.9 * len(sk["shuffled_expected_over_200_orders"]))],
         "rank_load_max_over_mean_after": max_over_mean(torch.tensor(sk["after"])),
         "rank_load_max_over_mean_after_expected": max_over_mean(torch.tensor(sk["expected_after"])),
         "skew_run": {**skew_cfg, "ep": 4, "tokens_per_rank_before": sk["before"],
-                     "tokens_per_rank_after": sk["after"], "hot_expert_replicas": sk["hot_expert_replicas"],
+                     "tokens_per_rank_after": sk["after"], "tokens_per_rank_shuffled": sk["shuffled"],
+                     "shuffled_order": sk["shuffled_order"], "hot_expert_replicas": sk["hot_expert_replicas"],
                      "placement": sk["placement"]},
         "block_over_full_stage_bytes": st["block"]["bytes_per_micro"] / st["full"]["bytes_per_micro"],
         "block_over_full_stage_sources_predicted": pred,

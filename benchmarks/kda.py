@@ -4,9 +4,13 @@ Times, in one process and round-robin (so load swings hit every contender alike)
 k3 `chunk_kda` vs fla's `naive_chunk_kda` and `naive_recurrent_kda`, forward and forward+backward, at
 B=1, T=4096, H=4, K=V=128 fp32 (`--quick`: a small shape). Reports medians, min/max (noise), tokens/s,
 matmul GFLOP/s of our forward (flops counted by torch's FlopCounterMode) against a measured 2048^2
-matmul, and the max relative error of our output against fla's recurrent reference.
+matmul, and the max relative error of our output against fla's recurrent reference. The forward is timed
+again on strong decay (g ~ -5 U(0,1) per token and channel; `strong_decay`): exp() of large negative
+log-decays makes subnormal floats, which x86 CPUs compute through slow microcode assists, so that run is
+slower; `--flush-denormal` repeats everything with subnormals flushed to zero for the whole process.
 
     python benchmarks/kda.py --json          # prints one JSON object, writes runs/bench/kda.json
+    python benchmarks/kda.py --flush-denormal  # writes runs/bench/kda-flush-denormal.json
     python benchmarks/kda.py --threads 1     # steadier on a shared machine: with 2 threads every small op
                                              # of fla's references can stall on a busy second core
 """
@@ -80,7 +84,12 @@ def main() -> dict:
     ap.add_argument("--quick", action="store_true", help="small shape, few repeats")
     ap.add_argument("--repeats", type=positive_int, default=None, help="timed runs of ours (fla's: 3)")
     ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--flush-denormal", action="store_true",
+                    help="flush subnormal floats to zero for the whole process (set before any thread starts, so "
+                         "torch's worker threads inherit it); writes runs/bench/kda-flush-denormal.json")
     args = ap.parse_args()
+    if args.flush_denormal:
+        torch.set_flush_denormal(True)  # before the first parallel op: threads created later inherit MXCSR
     if args.threads:
         torch.set_num_threads(args.threads)
     from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
@@ -112,9 +121,13 @@ def main() -> dict:
     max_rel_err = ((o_ours - o_ref).abs().max() / o_ref.abs().max()).item()
     both = round_robin({n: fwd_bwd(f, grad_inputs) for n, f in contenders.items()}, reps,
                        {n: fwd_bwd(f, grad_inputs if n == "ours_chunk" else small_grad) for n, f in contenders.items()})
+    # strong decay (g ~ U(-5, 0) per token and channel): the same contenders on those gates. fla's naive forms do
+    # the same work whatever the gates; ours picks smaller sub-chunks (docs/benchmarks.md), so it is timed too
     strong_inputs = make_inputs(B, T, H, K, V, strong=True)
-    strong = round_robin({"ours_chunk": fwd(chunk_kda, strong_inputs)}, {"ours_chunk": repeats},
-                         {"ours_chunk": fwd(chunk_kda, strong_inputs)})
+    small_strong = make_inputs(B, 128, H, K, V, strong=True)
+    strong = round_robin({n: fwd(f, strong_inputs) for n, f in contenders.items()}, reps,
+                         {n: fwd(f, strong_inputs if n == "ours_chunk" else small_strong)
+                          for n, f in contenders.items()})
 
     f_sum = {n: summary(ts, tokens) for n, ts in forward.items()}
     b_sum = {n: summary(ts, tokens) for n, ts in both.items()}
@@ -123,6 +136,7 @@ def main() -> dict:
     result = {
         "benchmark": "kda",
         "claim": "k3 chunk_kda (pure torch) vs fla naive_chunk_kda / naive_recurrent_kda on CPU",
+        "flush_denormal": args.flush_denormal,
         "shape": {"B": B, "T": T, "H": H, "K": K, "V": V, "dtype": "float32", "chunk_size": 64,
                   "g": "logsigmoid(N(0,1)) per channel", "quick": args.quick},
         "machine": machine(loadavg_before=load_before, loadavg_after=os.getloadavg()),
@@ -138,13 +152,22 @@ def main() -> dict:
         "forward": f_sum,
         "fwd_bwd": b_sum,
         "ours_forward_strong_decay": summary(strong["ours_chunk"], tokens),
+        "strong_decay": {
+            "g": "-5 * U(0, 1) per channel",
+            "forward": {n: summary(ts, tokens) for n, ts in strong.items()},
+            "speedup_vs_fla_naive_chunk": statistics.median(strong["fla_naive_chunk"])
+            / statistics.median(strong["ours_chunk"]),
+            "speedup_vs_fla_naive_recurrent": statistics.median(strong["fla_naive_recurrent"])
+            / statistics.median(strong["ours_chunk"]),
+        },
         "ours_forward_matmul_gflop": counter.get_total_flops() / 1e9,
         "gflops": gflops,
         "matmul_peak_gflops": peak,
         "fraction_of_matmul_peak": gflops / peak,
         "max_rel_err_vs_fla_naive_recurrent": max_rel_err,
     }
-    out_path = write_result(bench_out("kda", args.quick), result, args.json)
+    out_path = write_result(bench_out("kda-flush-denormal" if args.flush_denormal else "kda", args.quick), result,
+                            args.json)
     if not args.json:
         print(f"forward: {result['speedup_vs_fla_naive_chunk']:.1f}x vs fla naive_chunk, "
               f"{result['speedup_vs_fla_naive_recurrent']:.1f}x vs fla naive_recurrent; "

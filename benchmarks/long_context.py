@@ -12,7 +12,7 @@ memory grows by the latent cache and nothing else: `rss_growth_over_cache` and t
 steady state it holds one chunk's attention working set (the [chunk, context] mask and the re-expanded
 keys/values of the naive MLA prefill path), freed after each chunk. Token ids are random: cost and memory
 do not depend on them. Progress goes to stderr and, atomically, to runs/long_context/progress.json;
-the result to runs/bench/long_context.json.
+the result to runs/bench/long_context.json (`--quick`: 8,192 tokens, to runs/bench/quick/).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from k3.config import get_config
 from k3.data.tokenizer import SPECIAL_TOKENS
-from k3.benchtools import loadavg, machine
+from k3.benchtools import bench_out, loadavg, machine
 from k3.fileio import atomic_write_json
 from k3.model.accounting import cache_bytes
 from k3.model.cache import KDACache, MLACache
@@ -230,9 +230,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (its attention mask is chunk x context)")
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--quick", action="store_true",
+                    help="8,192 tokens (a smoke test); writes runs/bench/quick/long_context.json")
+    ap.add_argument("--out", type=Path, default=None, help=f"output JSON (default {OUT.relative_to(ROOT)})")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens = min(args.tokens, 8192)
+    if args.out is None:
+        args.out = bench_out("long_context", True) if args.quick else OUT
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     result = run(args.preset, args.tokens, args.chunk, args.decode_tokens, progress=not args.no_progress,

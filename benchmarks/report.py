@@ -12,14 +12,32 @@ import re
 from pathlib import Path
 from k3.fileio import atomic_write_text
 
-# benchmark -> [(key path, label, target as text or "")]; the numbers all come from the JSON files.
+# benchmark -> [(key path, label, target as text or "")]. Values come from runs/bench/NAME.json; a benchmark with no
+# JSON there keeps the rows of the doc's current table, listed apart as carried over (see render).
 HEADLINES = {
+    "peaks": [
+        ("fp32_gflops_1thread", "CPU fp32 2048^2 matmul GFLOP/s, 1 thread (the denominator of the CPU MFU rows)", ""),
+        ("bf16_gflops_1thread", "CPU bf16 2048^2 matmul GFLOP/s, 1 thread", ""),
+        ("bf16_over_fp32_1thread", "bf16 / fp32 matmul rate, 1 thread (host-dependent: AMX-bf16 here)", ""),
+        ("threads.2.bf16_over_fp32", "bf16 / fp32 matmul rate, 2 threads", ""),
+    ],
     "kda": [
-        ("speedup_vs_fla_naive_chunk", "KDA chunk fwd vs fla naive_chunk_kda (B1 T4096 H4 K=V=128)", ">= 10x"),
-        ("speedup_vs_fla_naive_recurrent", "KDA chunk fwd vs fla naive_recurrent_kda", ">= 4x"),
+        ("speedup_vs_fla_naive_chunk", "KDA chunk fwd vs fla naive_chunk_kda (B1 T4096 H4 K=V=128, typical gates "
+                                       "g = logsigmoid(N(0,1)))", ">= 10x"),
+        ("speedup_vs_fla_naive_recurrent", "KDA chunk fwd vs fla naive_recurrent_kda (typical gates)", ">= 4x"),
+        ("strong_decay.speedup_vs_fla_naive_chunk", "KDA chunk fwd vs fla naive_chunk_kda, strong decay "
+                                                    "g ~ -5 U(0,1) (smaller sub-chunks)", ">= 10x"),
+        ("strong_decay.speedup_vs_fla_naive_recurrent", "KDA chunk fwd vs fla naive_recurrent_kda, strong decay",
+         ">= 4x"),
         ("fwd_bwd_speedup_vs_fla_naive_chunk", "KDA chunk fwd+bwd vs fla naive_chunk_kda", ""),
         ("fwd_bwd_speedup_vs_fla_naive_recurrent", "KDA chunk fwd+bwd vs fla naive_recurrent_kda", ""),
         ("tokens_per_s.ours_chunk", "KDA chunk fwd tokens/s", ""),
+    ],
+    "kda-flush-denormal": [
+        ("strong_decay.speedup_vs_fla_naive_chunk", "the same run with subnormal floats flushed to zero (both sides): "
+                                                    "strong decay, vs fla naive_chunk_kda", ">= 10x"),
+        ("strong_decay.speedup_vs_fla_naive_recurrent", "same, strong decay, vs fla naive_recurrent_kda", ">= 4x"),
+        ("speedup_vs_fla_naive_recurrent", "same, typical gates, vs fla naive_recurrent_kda", ">= 4x"),
     ],
     "moe": [
         ("speedup_vs_loop", "MoE layer fwd+bwd, grouped vs per-expert loop (64 experts, top-8, 4096 tokens)", ">= 3x"),
@@ -204,10 +222,17 @@ HEADLINES = {
         ("summary.v1.spike_steps_total", "same, eps 1e-4", ""),
     ],
     "balancing": [
-        ("methods.none.load_max_over_mean", "expert load max/mean, no balancing", ""),
-        ("methods.aux_loss.load_max_over_mean", "expert load max/mean, aux loss", ""),
-        ("methods.bias.load_max_over_mean", "expert load max/mean, aux-loss-free bias", ""),
-        ("methods.quantile.load_max_over_mean", "expert load max/mean, Quantile Balancing", ""),
+        ("methods.none.load_max_over_mean", "expert load max/mean over the last 40 of 200 steps, no balancing", ""),
+        ("methods.aux_loss.load_max_over_mean", "same, aux loss, coefficient 1e-4 (the config default)", ""),
+        ("methods.aux_loss@1e-2.load_max_over_mean", "same, aux loss, coefficient 1e-2", ""),
+        ("methods.bias.load_max_over_mean", "same, aux-loss-free bias, gamma 1e-3 (DeepSeek-V3's; a bias moves at "
+                                            "most 0.2 in 200 steps)", ""),
+        ("methods.bias@1e-2.load_max_over_mean", "same, aux-loss-free bias, gamma 1e-2", ""),
+        ("methods.quantile.load_max_over_mean", "same, Quantile Balancing (no step size)", ""),
+        ("methods.none.final_loss", "final train loss (mean of the last 20 steps), no balancing (nats)", ""),
+        ("methods.aux_loss@1e-2.final_loss", "same, aux loss 1e-2", ""),
+        ("methods.bias@1e-2.final_loss", "same, bias gamma 1e-2", ""),
+        ("methods.quantile.final_loss", "same, Quantile Balancing", ""),
     ],
     "sandbox": [
         ("overhead_ms_per_episode", "sandbox overhead per verified episode vs plain subprocess (ms)", "<= 50"),
@@ -232,10 +257,10 @@ HEADLINES = {
     "serve_load": [
         ("tokens_per_s", "k3 serve tiny, 8 streaming clients, completion tokens/s", ""),
         ("speedup_vs_max_batch_1", "k3 serve tokens/s, continuous batching (8) / max_batch 1", ""),
-        ("latency_p50_s", "k3 serve request latency p50 (s)", ""),
-        ("latency_p99_s", "k3 serve request latency p99 (s)", ""),
-        ("ttft_p50_s", "k3 serve time to first token p50 (s)", ""),
-        ("ttft_p99_s", "k3 serve time to first token p99 (s)", ""),
+        ("latency_p50_s", "k3 serve request latency p50 (s; batched server, 48 requests)", ""),
+        ("latency_p99_s", "k3 serve request latency p99 (s; of 48 requests this is the slowest)", ""),
+        ("ttft_p50_s", "k3 serve time to first token p50 (s; batched server)", ""),
+        ("ttft_p99_s", "k3 serve time to first token p99 (s; of 48 requests the slowest)", ""),
         ("errors", "k3 serve errors below the queue bound", "0"),
         ("overload.other_errors", "k3 serve non-429 errors at 2x the queue bound", "0"),
         ("engine_only.speedup_vs_max_batch_1", "in-process engine tokens/s, batch 8 / batch 1 (no HTTP)", ""),
@@ -243,7 +268,10 @@ HEADLINES = {
     "ep": [
         ("latent_payload_ratio", "EP all-to-all bytes/token/MoE layer, LatentMoE / standard MoE (mini, 2 ranks)", "0.5"),
         ("bytes_per_token_per_moe_layer.latent.forward", "LatentMoE EP bytes/token/MoE layer, forward (fp32)", ""),
-        ("rank_load_max_over_mean_before", "EP rank load max/mean on Zipf routing, contiguous experts", ""),
+        ("rank_load_max_over_mean_before", "EP rank load max/mean on Zipf routing, contiguous experts (hot "
+                                           "experts all on rank 0: the worst case)", ""),
+        ("rank_load_max_over_mean_shuffled", "same batch, experts in one random order over the ranks", ""),
+        ("rank_load_max_over_mean_random_order_median", "expected, median over 200 random orders", ""),
         ("rank_load_max_over_mean_after", "EP rank load max/mean on Zipf routing, EPLB placement + replicas", "<= 1.1"),
         ("block_over_full_stage_bytes", "pipeline stage bytes per micro-batch, Block / Full AttnRes (tiny, 2 stages)", "= sources ratio"),
     ],
@@ -258,7 +286,7 @@ HEADLINES = {
         ("moe_speed.mini_layer.speedup_vs_loop", "GPU MoE layer fwd+bwd bf16, grouped vs per-expert loop (mini, 4096 tokens)", ">= 3x"),
         ("moe_speed.k3_width_experts.grouped.fwd_bwd_tflops", "GPU routed experts fwd+bwd TFLOP/s at k3 widths (32 experts, top-4)", ""),
         ("kda_check.dispatch_default.o_rel_err", "GPU fla Triton chunk_kda fp32 output vs fp64 naive recurrence (rel; fla's dots use TF32)", "<= 5e-3"),
-        ("kda_speed.B8_T8192_H16_K128_V128.fla_triton_over_k3_torch_fwd_bwd.bfloat16", "GPU KDA fwd+bwd, k3 torch chunk time / fla Triton time (B8 T8192 H16 bf16)", ""),
+        ("kda_speed.B8_T8192_H16_K128_V128.fla_triton_over_k3_torch_fwd_bwd.bfloat16", "GPU KDA fwd+bwd, k3 torch chunk time / fla Triton time (B8 T8192 H16, bf16 inputs; k3 computes in fp32/TF32, fla in bf16)", ""),
         ("model_check.tiny_prefill_decode_vs_full_rel", "GPU tiny prefill + decode vs full forward, logits (rel)", "<= 5e-3"),
         ("train_step.tokens_per_s", "GPU mini training tokens/s (Trainer, bf16 autocast, AdamW, batch 16 x 1024)", ""),
     ],
@@ -329,14 +357,15 @@ def _kept_rows(name: str, lines: list[str]) -> list[str]:
 def render(bench_dir: Path, old_block: str = "") -> str:
     """The table from runs/bench/*.json; a benchmark without a JSON here keeps its rows from `old_block`
     (the doc's current table), so that a partial rerun never drops figures measured earlier."""
-    rows = ["| benchmark | measure | value | target |", "|---|---|---:|---|"]
+    header = ["| benchmark | measure | value | target |", "|---|---|---:|---|"]
+    rows, kept = list(header), []
     machines = []
     old_rows, old_machines = previous(old_block)
     have = {p.stem for p in bench_dir.glob("*.json")}
     # machine lines are kept also for runs with no rows of their own: docs quote figures from them
     for name in sorted(have | (set(old_rows) & set(HEADLINES)) | set(old_machines)):
         if name not in have:
-            rows.extend(_kept_rows(name, old_rows.get(name, [])))
+            kept.extend(_kept_rows(name, old_rows.get(name, [])))
             if name in old_machines:
                 line = old_machines[name]
                 machines.append(line if line.endswith("(earlier run)") else f"{line} (earlier run)")
@@ -348,6 +377,9 @@ def render(bench_dir: Path, old_block: str = "") -> str:
                 rows.append(f"| {name} | {label} (`{key}`) | {fmt(v)} | {target} |")
         if machine_line(d):
             machines.append(f"- `{name}`: {machine_line(d)}")
+    if kept:  # apart from the measured table: these values cannot be checked against a file
+        rows += ["", "Carried over from earlier runs whose JSON files were not kept (the values as measured then, "
+                 "under today's labels and targets; they cannot be checked against a file):", "", *header, *kept]
     return "\n".join(rows + ["", "Machines as recorded in each JSON:"] + machines)
 
 

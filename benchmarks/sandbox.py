@@ -1,6 +1,6 @@
 """Sandbox cost: bwrap start+teardown and verified episodes vs the same programs as plain subprocesses.
 
-    python benchmarks/sandbox.py [--json] [--repeats 15] [--episodes 16]
+    python benchmarks/sandbox.py [--json] [--repeats 15] [--episodes 16] [--quick]
 
 Measures, in one process run, interleaving sandboxed and plain runs so machine load hits both alike:
   start_teardown_ms      bwrap running /usr/bin/true vs plain /usr/bin/true (median)
@@ -11,7 +11,7 @@ Measures, in one process run, interleaving sandboxed and plain runs so machine l
                          sandbox is started while the episode runs (the default); the `_cold_verifier`
                          keys give the same measurement without that
   episodes_per_s         verified episodes per second with 2 worker processes, sandboxed and plain
-Writes runs/bench/sandbox.json atomically.
+Writes runs/bench/sandbox.json atomically (--quick: runs/bench/quick/sandbox.json).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from k3.agentenv.policies import make_policy
 from k3.agentenv.rollout import EpisodeConfig, run_episode, run_rollouts
 from k3.agentenv.sandbox import Session, _popen_kwargs, bwrap_argv, check_sandbox, default_config
 from k3.agentenv.tasks import load_task, load_tasks, tasks_root
-from k3.benchtools import positive_int
+from k3.benchtools import bench_out, positive_int
 from k3.fileio import atomic_write_text
 
 TARGET_MS = 50.0
@@ -134,9 +134,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--repeats", type=positive_int, default=15)
     ap.add_argument("--episodes", type=positive_int, default=16)
-    ap.add_argument("--out", default="runs/bench/sandbox.json")
+    ap.add_argument("--quick", action="store_true", help="3 repeats, 4 episodes; writes runs/bench/quick/sandbox.json")
+    ap.add_argument("--out", default=None, help="output JSON (default runs/bench/sandbox.json, or quick/ with --quick)")
     args = ap.parse_args(argv)
-    res = bench(args.repeats, args.episodes)
+    if args.out is None:
+        args.out = bench_out("sandbox", args.quick)
+    res = bench(3, 4) if args.quick else bench(args.repeats, args.episodes)
     atomic_write_text(Path(args.out), json.dumps(res, indent=1) + "\n")
     if args.json:
         print(json.dumps(res, indent=1))
