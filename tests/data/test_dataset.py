@@ -354,3 +354,16 @@ def test_a_file_that_cannot_be_read_counts_by_size_and_mtime(tmp_path):
     f.write_text("x" * 3_000_000)  # read in chunks
     import hashlib
     assert _content_digest(f) == hashlib.sha256(b"x" * 3_000_000).digest()
+
+
+def test_an_input_data_directory_is_not_rebuilt_with_other_settings(text_dir, tmp_path):
+    """k3 ablate / k3 demo --data D on data of the same corpus built with another vocabulary rebuilt D in place,
+    stranding the checkpoints trained on it; with replace=False it is refused, naming the settings."""
+    d = tmp_path / "d"
+    prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0)
+    before = (d / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match=r"other settings: vocab_size 512 \(asked: 600\).*give another --data"):
+        prepare_data(d, str(text_dir), vocab_size=600, decontaminate=0, replace=False)
+    assert (d / "tokenizer.json").read_bytes() == before
+    assert prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0, replace=False).reused  # same: reused
+    assert not prepare_data(d, str(text_dir), vocab_size=600, decontaminate=0).reused  # k3 tokenize: rebuilt

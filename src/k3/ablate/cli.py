@@ -111,7 +111,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         # another vocabulary gets a directory of its own: rebuilding --data in place would replace the data
         # (and strand the checkpoints) of everything else that reads it (k3 demo, the benchmarks)
         data = args.data if base.vocab_size == DEFAULT_VOCAB_SIZE else f"{Path(args.data)}-v{base.vocab_size}"
-        files = prepare_data(data, vocab_size=base.vocab_size, progress=not args.quiet and sys.stderr.isatty())
+        files = prepare_data(data, vocab_size=base.vocab_size, progress=not args.quiet and sys.stderr.isatty(),
+                             replace=False)
         data_fp, data_dir = data_fingerprint(files), str(Path(data).resolve())
     plan = plan_runs(scale, names, data_fp, user_set)
     for g, why in plan.skipped.items():

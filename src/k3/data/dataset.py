@@ -359,7 +359,8 @@ def same_corpus(a: str, b: str) -> bool:
 def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  max_bytes: int | None = None, tokenizer_max_bytes: int = DEFAULT_TOKENIZER_MAX_BYTES,
                  val_fraction: float = DEFAULT_VAL_FRACTION, progress: bool = False,
-                 force: bool = False, decontaminate: float = DEFAULT_DECONTAMINATE) -> DataFiles:
+                 force: bool = False, decontaminate: float = DEFAULT_DECONTAMINATE,
+                 replace: bool = True) -> DataFiles:
     """Train the tokenizer on the train split (first `tokenizer_max_bytes`), then pack train and val
     (each capped at `max_bytes` if given). Reuses `out_dir` when it already holds this exact request.
 
@@ -367,7 +368,11 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     occur verbatim in the packed training text is left out of validation (a generated near-copy of a training
     file, e.g. one codec table of a family, would otherwise score as if unseen); the ids and shares go to
     data.json `val_excluded`. 0 keeps every validation document. Costs a set of one hash per distinct
-    training line (about 70 bytes each)."""
+    training line (about 70 bytes each).
+
+    `replace`: False for callers whose data directory is an input (k3 demo, k3 ablate): a complete build of
+    the same corpus with other settings (vocabulary, caps) is refused, naming them, rather than rebuilt in
+    place, which would strand the checkpoints trained on it. A build of an older corpus version is rebuilt."""
     out_dir = Path(out_dir)
     if not 0.0 <= decontaminate <= 1.0:
         raise ValueError(f"decontaminate = {decontaminate} must be in [0, 1] (0: keep every validation document)")
@@ -397,12 +402,21 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     if not force and (out_dir / DATA_MANIFEST).is_file():
         try:
             files = load_data(out_dir)
-            if files.info.get("request") == request:
+            held_request = files.info.get("request")
+            if held_request == request:
                 log.info("%s already holds this data (same corpus, vocab and caps); reusing it", out_dir)
                 files.reused = True
                 return files
         except (ValueError, OSError, KeyError, json.JSONDecodeError) as err:
             log.info("rebuilding %s: %s", out_dir, err)
+        else:
+            skip = ("format", "corpus_fingerprint", "source")  # a newer version of the same corpus is rebuilt
+            diff = [f"{k} {held_request.get(k)!r} (asked: {v!r})" for k, v in request.items()
+                    if k not in skip and isinstance(held_request, dict) and held_request.get(k) != v]
+            if not replace and diff:
+                raise ValueError(f"{out_dir} holds data built with other settings: {', '.join(diff)}; building this "
+                                 "data there would replace it and strand the checkpoints trained on it: give "
+                                 "another --data (a new directory is built), or rebuild this one with k3 tokenize")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / DATA_MARK, "data built by k3 (k3 tokenize / k3 train); rebuilt in place\n")
     (out_dir / DATA_MANIFEST).unlink(missing_ok=True)

@@ -310,7 +310,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     tty = sys.stderr.isatty()
     print(f"k3 demo: data in {args.data} (tokenizer + packed train/val splits; reused when present)", file=sys.stderr)
     try:
-        files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty)
+        files = prepare_data(args.data, vocab_size=config.vocab_size, max_bytes=args.max_bytes, progress=tty,
+                             replace=False)
     except ValueError as e:  # its advice names k3 tokenize's flags; say which of the demo's do the same
         raise ValueError(f"{e} (in k3 demo the vocabulary is the config's: --set vocab_size=N; the text is "
                          "capped by --max-bytes)") from None
