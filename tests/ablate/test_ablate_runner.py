@@ -181,6 +181,16 @@ def test_non_finite_metrics_are_left_out_of_tables_and_plots(data, tmp_path):
     assert all(p.read_bytes()[:8] == PNG for p in paths["plots"])
 
 
+def test_a_group_whose_every_run_failed_still_plots(tmp_path):
+    """No variant with a metric: one Axes from plt.subplots (it was indexed as a list: TypeError after the
+    tables were written, and the failed-run list never printed)."""
+    from k3.ablate.report import plot_all
+
+    summary = {"groups": {"seq": {"title": "seq", "baseline": "a", "variants": {"a": {}, "b": {}}}}}
+    paths = plot_all(summary, tmp_path)
+    assert [p.name for p in paths] == ["seq.png"] and paths[0].read_bytes()[:8] == PNG
+
+
 def test_a_cached_result_of_other_trainer_settings_is_rerun(data, tmp_path):
     data_dir, files = data
     plan = plan_runs(SMOKE, ["depth"], data_fingerprint(files))

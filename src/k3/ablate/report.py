@@ -214,7 +214,9 @@ def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
         if "skipped" in g:
             continue
         metrics = [m for m in ("val_loss", "load_max_mean") if any(m in r for r in g["variants"].values())]
-        fig, axes = plt.subplots(1, len(metrics) + 1, figsize=(5 * (len(metrics) + 1), 3.6), layout="constrained")
+        fig, axes = plt.subplots(1, len(metrics) + 1, figsize=(5 * (len(metrics) + 1), 3.6), layout="constrained",
+                                 squeeze=False)  # every run failed: no metric, one Axes
+        axes = list(axes[0])
         labels = list(g["variants"])
         for ax, m in zip(axes, metrics):
             for i, label in enumerate(labels):
@@ -238,7 +240,10 @@ def plot_all(summary: dict, out_dir: str | os.PathLike) -> list[Path]:
                 ax.plot(range(1, len(c) + 1), _ema(c), label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss, mean over seeds (EMA)")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # every run of the group failed
+            ax.text(0.5, 0.5, "no run finished", ha="center", va="center", transform=ax.transAxes)
         fig.suptitle(g["title"], fontsize=10)
         paths.append(save_figure(fig, out_dir / f"{name}.png"))
     if "probe" in summary and summary["probe"]["variants"]:
