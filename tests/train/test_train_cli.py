@@ -212,3 +212,30 @@ def test_ctrl_c_saves_the_step_in_progress_and_resume_continues(tiny_data_dir, t
     r = subprocess.run([*cmd, "--steps", str(step + 2), "--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and f"trained to step {step + 2} (2 in this run, from step {step})" in r.stdout, \
         r.stdout + r.stderr[-2000:]
+
+
+def test_sample_leaves_special_tokens_out_unless_asked(tiny_data_dir):
+    """k3 sample printed <|tool_call|> and the like where the server's completions (skip_special_tokens by
+    default) did not: the same checkpoint and prompt gave two texts."""
+    import torch
+
+    from k3.config import get_config
+    from k3.data import load_data
+    from k3.train.cli import generate_text
+
+    tok = load_data(tiny_data_dir).tokenizer
+    special = tok.token_to_id("<|tool_call|>")
+    word = tok.encode("x", allow_special=False)
+
+    class Fixed(torch.nn.Module):  # writes a fixed continuation: a token, a special token, the token again
+        config = get_config("tiny", vocab_size=tok.vocab_size)
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, ids, n, **kw):
+            return torch.cat([ids, torch.tensor([word + [special] + word])], 1)
+
+    assert generate_text(Fixed(), tok, "a", 3, 0.8, 0.95, 0) == "axx"
+    assert generate_text(Fixed(), tok, "a", 3, 0.8, 0.95, 0, skip_special=False) == "ax<|tool_call|>x"

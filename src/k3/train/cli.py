@@ -244,8 +244,10 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int,
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8,
-                  top_p: float = 0.95, seed: int = 0) -> str:
-    """Continue `prompt` (an empty prompt starts a new document) and cut at the first <|eos|>."""
+                  top_p: float = 0.95, seed: int = 0, skip_special: bool = True) -> str:
+    """Continue `prompt` (an empty prompt starts a new document) and cut at the first <|eos|>. Special tokens
+    the model writes (<|end|>, <|tool_call|>, ...) are left out of the text unless `skip_special` is False, as
+    the server's completions route does by default (`skip_special_tokens`)."""
     import torch
 
     check_sampling(temperature, top_p, max_new_tokens)
@@ -259,7 +261,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, tempe
                          top_p=top_p, generator=gen)[0, len(ids):].tolist()
     if tokenizer.eos_id in out:
         out = out[:out.index(tokenizer.eos_id)]
-    return prompt + tokenizer.decode(out)
+    return prompt + tokenizer.decode(out, skip_special=skip_special)
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -272,7 +274,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
     for i in range(args.num_samples):
         text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                             args.seed + i)
+                             args.seed + i, skip_special=not args.keep_special)
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(text)
@@ -474,6 +476,9 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--keep-special", action="store_true",
+                   help="print the special tokens the model writes (<|end|>, <|tool_call|>, ...); by default they "
+                        "are left out, as the server's completions do")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint names)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.set_defaults(func=cmd_sample)
