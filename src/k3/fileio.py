@@ -18,6 +18,12 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def default_mode(path: str | os.PathLike) -> None:
+    """Give a file written by a library that creates it owner-only (safetensors makes 0600) the mode open()
+    would have: 0666 less the umask."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
     try:
@@ -41,7 +47,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        default_mode(tmp)  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()

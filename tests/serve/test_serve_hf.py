@@ -1,6 +1,7 @@
 """HF transformers integration: Auto classes, safetensors round trip, generate() against K3Model.generate,
 the tokenizer as PreTrainedTokenizerFast, checkpoint export, and clear errors for mismatches."""
 import json
+import os
 
 import pytest
 import torch
@@ -220,6 +221,10 @@ def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
     out = export_hf(tmp_path / "ckpt", tmp_path / "hf")  # tokenizer found through the manifest
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= \
         {p.name for p in out.iterdir()}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o666 & ~umask for p in out.iterdir()}  # safetensors made model.safetensors 0600
     hf, hf_tok = load_hf(out)
     # generate() stops where the server does: <|eos|>, <|end|> and the role tokens
     assert set(hf.generation_config.eos_token_id) == {SPECIAL_TOKENS.index(t) for t in

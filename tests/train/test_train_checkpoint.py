@@ -61,6 +61,10 @@ def test_round_trip_model_optimizer_rng(tmp_path, opt_name):
     manifest = ckpt.load_checkpoint(tmp_path, model2, opt2, cfg)
     assert manifest["step"] == 3 and manifest["data"] == {"next_step": 3}
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.safetensors"}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("model.safetensors", "optimizer.safetensors", "manifest.json"):  # safetensors makes 0600 files
+        assert (path / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     got_rand = (torch.rand(4), np.random.rand(), __import__("random").random())
     assert torch.equal(expect_rand[0], got_rand[0]) and expect_rand[1:] == got_rand[1:]
     for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
-from k3.fileio import fsync_dir
+from k3.fileio import default_mode, fsync_dir
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
 from k3.model.transformer import K3Model
@@ -394,6 +394,9 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
         hf.save_pretrained(tmp, safe_serialization=True)
         if tok is not None:
             to_hf_tokenizer(tok, model_max_length=model.config.max_context).save_pretrained(tmp)
+        for f in tmp.iterdir():  # safetensors creates its files 0600
+            if f.is_file():
+                default_mode(f)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.fileio import atomic_write_text
+from k3.fileio import atomic_write_text, default_mode
 from k3.fileio import fsync_dir as _fsync_dir
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path))
+    default_mode(path)  # safetensors creates it 0600
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
