@@ -254,7 +254,10 @@ def test_results_json_is_strict_json_with_one_seed(tmp_path):
     plan = plan_runs(one, ["probe"], {})
     summary = aggregate(plan, run_plan(plan, tmp_path, None, progress=False))
     assert any(c["ci95"] == [float("-inf"), float("inf")] for c in summary["probe"]["claims"])
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "seq.png").write_bytes(PNG)  # an earlier, wider run's group: not this run's result
     paths = write_report(summary, tmp_path, "")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(p.name for p in paths["plots"])
 
     def strict(constant):
         raise AssertionError(f"results.json holds {constant}, which is not JSON")

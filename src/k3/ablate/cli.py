@@ -144,7 +144,11 @@ def cmd_ablate(args: argparse.Namespace) -> int:
                                     "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    header = (f"## k3 ablate --suite {args.suite}{' --quick' if args.quick else ''}\n\n"
+    import shlex
+    asked = [f"--suite {args.suite}"] + (["--quick"] if args.quick else []) + \
+        [f"--{k} {shlex.quote(str(getattr(args, k)))}" for k in ("only", "seeds", "steps")
+         if getattr(args, k) is not None] + [f"--set {shlex.quote(x)}" for x in args.set]  # what shapes the results
+    header = (f"## k3 ablate {' '.join(asked)}\n\n"
               f"{n_runs} runs, seeds {list(scale.seeds)}, {jobs} job(s), {wall / 60:.1f} min wall "
               f"({sum(executed) / 60:.1f} min of run time, cached runs included), {summary['meta']['date']}.\n")
     paths = write_report(summary, out, header)

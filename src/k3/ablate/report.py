@@ -283,4 +283,7 @@ def write_report(summary: dict, out_dir: str | os.PathLike, header: str = "") ->
     md = markdown(summary, header)
     atomic_write_text(out_dir / "results.md", md)
     plots = plot_all(summary, out_dir / "plots")
+    for stale in (out_dir / "plots").glob("*.png"):  # an earlier run's groups that this run did not have
+        if stale not in plots:
+            stale.unlink()
     return {"json": out_dir / "results.json", "markdown": out_dir / "results.md", "plots": plots}
