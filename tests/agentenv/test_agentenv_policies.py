@@ -148,27 +148,36 @@ def test_broken_policies_never_succeed(sandbox):
 
 
 def test_http_endpoint_check_names_the_fix():
-    """Before any episode: a server that is not running, refuses the key, or serves another model is one clear
-    error; a server without a models route is not judged."""
-    srv = FakeServer([], models=["k3-tiny"])
+    """Before any episode: a server that is not running, or whose chat route refuses the model, is one clear
+    error; a model missing from GET /models (or a list the key may not read) is asked for one chat token first,
+    since some servers list other names than they take; a models route that is missing or of another shape is
+    not judged."""
+    refuse = (404, {"error": {"message": "the model 'k3-mini' does not exist"}})
+    srv = FakeServer([refuse, msg("ok")], models=["k3-tiny"])
     try:
         OpenAIChatPolicy(srv.url, "k3-tiny", api_key="sk").check_endpoint()
-        assert srv.requests[-1] == {"path": "/v1/models", "auth": "Bearer sk"}
-        with pytest.raises(PolicyError, match="does not serve the model 'k3-mini'; it serves k3-tiny: pass --model k3-tiny"):
+        assert srv.requests[-1] == {"path": "/v1/models", "auth": "Bearer sk"}  # listed: no chat request
+        with pytest.raises(PolicyError, match="refused a chat request for the model 'k3-mini' .*does not exist.*"
+                                              "it lists k3-tiny: pass --model k3-tiny"):
             OpenAIChatPolicy(srv.url, "k3-mini").check_endpoint()
+        OpenAIChatPolicy(srv.url, "k3-tiny:latest").check_endpoint()  # not listed, but the chat route takes it
+        assert srv.requests[-1]["body"]["max_tokens"] == 1
     finally:
         srv.close()
-    srv = FakeServer([], models=["m"], get_status=401)
+    srv = FakeServer([(401, {"error": "bad key"}), msg("ok")], models=["m"], get_status=401)
     try:
-        with pytest.raises(PolicyError, match="refused the API key.*--api-key-env"):
+        with pytest.raises(PolicyError, match="HTTP 401.*--api-key-env"):
             OpenAIChatPolicy(srv.url, "m").check_endpoint()
+        OpenAIChatPolicy(srv.url, "m").check_endpoint()  # a key that may chat but not list models
     finally:
         srv.close()
-    srv = FakeServer([], models=None)
-    try:
-        OpenAIChatPolicy(srv.url, "anything").check_endpoint()  # 404: cannot tell, so no error
-    finally:
-        srv.close()
+    for models in (None, []):  # no models route (404), or a list of another shape: not judged
+        srv = FakeServer([], models=models)
+        try:
+            OpenAIChatPolicy(srv.url, "anything").check_endpoint()
+            assert all(r["path"] == "/v1/models" for r in srv.requests)
+        finally:
+            srv.close()
     with pytest.raises(PolicyError, match="cannot reach http://127.0.0.1:9/v1 .*start the server first"):
         OpenAIChatPolicy("http://127.0.0.1:9/v1", "m").check_endpoint(timeout_s=5)
 
@@ -195,7 +204,7 @@ def test_run_http_checks_the_server_before_any_episode(tmp_path, capsys, monkeyp
     out = ["--tasks", "sqlite-restock", "--out", str(tmp_path / "r.jsonl")]
     code, err = _err(capsys, "run", "--policy", "http", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", *out)
     assert code == 2 and "cannot reach http://127.0.0.1:9/v1" in err and "k3 serve" in err
-    srv = FakeServer([], models=["k3-tiny"])
+    srv = FakeServer([(404, {"error": "no such model"})], models=["k3-tiny"])
     try:
         code, err = _err(capsys, "run", "--policy", "http", "--base-url", srv.url, "--model", "k3-mini", *out)
         assert code == 2 and "pass --model k3-tiny" in err

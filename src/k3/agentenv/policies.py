@@ -143,28 +143,50 @@ class OpenAIChatPolicy(Policy):
         return headers
 
     def check_endpoint(self, timeout_s: float = 10.0) -> None:
-        """Before any episode: GET {base_url}/models answers and lists the model. Raises PolicyError naming the
-        fix when the server cannot be reached, refuses the key, or serves other models; a server without a
-        models route (404/405) or with a list in another shape is not judged here."""
-        req = urllib.request.Request(self.base_url + "/models", headers=self._headers(), method="GET")
+        """Before any episode: the server answers and takes the model. Raises PolicyError naming the fix when it
+        cannot be reached, or when `--model` is not in its GET /models list *and* a one-token chat request for it
+        is refused (some servers list other names than the chat route takes: Ollama's ':latest' tags, Azure's
+        deployments; some keys may chat but not list models). A server without a models route is not judged."""
+        headers = self._headers()
+        req = urllib.request.Request(self.base_url + "/models", headers=headers, method="GET")
+        ids: list = []
+        refused = False  # the key may chat but not list models
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 data = json.loads(resp.read(4 << 20))
+            listed = data.get("data") if isinstance(data, dict) else None
+            ids = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
         except urllib.error.HTTPError as e:
-            if e.code in (401, 403):
-                raise PolicyError(f"{self.base_url}/models: HTTP {e.code}, the server refused the API key; set "
-                                  "the key's environment variable (--api-key-env NAME, default OPENAI_API_KEY)") from None
-            return
+            if e.code not in (401, 403):
+                return  # no models route (404/405) or a server error: nothing to judge here
+            refused = True
         except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
             reason = getattr(e, "reason", e)
             raise PolicyError(f"cannot reach {self.base_url} ({reason}); start the server first (e.g. "
                               "`k3 serve --ckpt DIR --port 8000`) or pass its --base-url") from None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             return
-        ids = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []
-        if ids and self.model not in ids:
-            raise PolicyError(f"{self.base_url} does not serve the model {self.model!r}; it serves "
-                              f"{', '.join(map(str, ids))}: pass --model {ids[0]}")
+        if self.model in ids or not (ids or refused):  # listed, or a list of another shape: nothing to judge
+            return
+        # not listed, or the list refused: ask the chat route itself, for one token
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        chat = urllib.request.Request(self.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                      headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(chat, timeout=max(timeout_s, 60.0)) as resp:
+                resp.read(1 << 20)
+        except urllib.error.HTTPError as e:
+            if e.code >= 500:
+                return  # the server is up; a transient failure is for the episodes' retries
+            said = e.read(300).decode("utf-8", "replace")
+            fix = f"pass --model {ids[0]}" if ids else \
+                "set the key's environment variable (--api-key-env NAME, default OPENAI_API_KEY)" \
+                if e.code in (401, 403) else "pass the model name the server serves"
+            served = f"; it lists {', '.join(map(str, ids))}" if ids else ""
+            raise PolicyError(f"{self.base_url} refused a chat request for the model {self.model!r} "
+                              f"(HTTP {e.code}: {said}){served}: {fix}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+            return  # up a moment ago: leave it to the episodes
 
     def act(self, transcript):
         body = {"model": self.model, "messages": transcript, "temperature": self.temperature,
