@@ -16,7 +16,9 @@ from k3.fileio import atomic_write_text
 # JSON there keeps the rows of the doc's current table, listed apart as carried over (see render).
 HEADLINES = {
     "peaks": [
-        ("fp32_gflops_1thread", "CPU fp32 2048^2 matmul GFLOP/s, 1 thread (the denominator of the CPU MFU rows)", ""),
+        ("fp32_gflops_1thread", "CPU fp32 2048^2 matmul GFLOP/s, 1 thread (the MFU rows divide by their own run's "
+                                "`matmul_peak_gflops`, at that run's thread count)", ""),
+        ("threads.2.fp32.median_gflops", "CPU fp32 2048^2 matmul GFLOP/s, 2 threads", ""),
         ("bf16_gflops_1thread", "CPU bf16 2048^2 matmul GFLOP/s, 1 thread", ""),
         ("bf16_over_fp32_1thread", "bf16 / fp32 matmul rate, 1 thread (host-dependent: AMX-bf16 here)", ""),
         ("threads.2.bf16_over_fp32", "bf16 / fp32 matmul rate, 2 threads", ""),

@@ -367,3 +367,8 @@ def test_an_input_data_directory_is_not_rebuilt_with_other_settings(text_dir, tm
     assert (d / "tokenizer.json").read_bytes() == before
     assert prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0, replace=False).reused  # same: reused
     assert not prepare_data(d, str(text_dir), vocab_size=600, decontaminate=0).reused  # k3 tokenize: rebuilt
+    # a request recorded by an older k3 (without a key asked today) is rebuilt, not refused: nothing to compare
+    manifest = json.loads((d / "data.json").read_text())
+    del manifest["request"]["decontaminate"]
+    (d / "data.json").write_text(json.dumps(manifest))
+    assert not prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0, replace=False).reused

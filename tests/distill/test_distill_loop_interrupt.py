@@ -26,7 +26,7 @@ def test_ctrl_c_names_the_last_checkpoint_and_resume(tmp_path, monkeypatch, caps
     with pytest.raises(KeyboardInterrupt) as ex:
         loop.fit(step)
     msg = str(ex.value)
-    assert "stopped in step 4" in msg and "step_000002" in msg and "--resume continues from step 2" in msg
+    assert "stopped in step 4" in msg and "step_000002" in msg and "--resume (and without --overwrite) continues from step 2" in msg
     assert "(step 3 is trained again)" in msg
     fresh, _ = _loop(tmp_path / "other")
     with pytest.raises(KeyboardInterrupt, match="no checkpoint was saved yet, so the same command starts over"):

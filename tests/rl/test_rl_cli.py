@@ -248,3 +248,16 @@ def test_demo_passes_every_flag_of_each_stage(monkeypatch, tmp_path):
         # the flags of the stage's own parser (the `rl` parser's --threads, --seed, -q stay out of a plot's)
         flags = set(vars(parser.parse_args(argv))) - set(vars(parser.parse_args(["rl"]))) | {"root"}
         assert flags <= set(seen[name]), (name, flags - set(seen[name]))
+
+
+def test_ctrl_c_in_the_demo_does_not_advise_a_flag_it_lacks(tmp_path, monkeypatch, capsys):
+    """The stages' advice is '--resume', which `k3 rl --demo` does not take: the demo says what it does instead."""
+    import k3.rl.cli as rl_cli
+
+    def stop(args):
+        raise KeyboardInterrupt("stopped in step 3; the last checkpoint is X: the same command with --resume")
+
+    monkeypatch.setattr(rl_cli, "cmd_warmstart", stop)
+    assert main(["rl", "--demo", "--root", str(tmp_path / "r")]) == 130
+    err = capsys.readouterr().err
+    assert "stopped in step 3" in err and "`k3 rl --demo` starts over when run again" in err

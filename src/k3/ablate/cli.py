@@ -147,7 +147,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     import shlex
     asked = [f"--suite {args.suite}"] + (["--quick"] if args.quick else []) + \
         [f"--{k} {shlex.quote(str(getattr(args, k)))}" for k in ("only", "seeds", "steps")
-         if getattr(args, k) is not None] + [f"--set {shlex.quote(x)}" for x in args.set]  # what shapes the results
+         if getattr(args, k) is not None] + [f"--set {shlex.quote(x)}" for x in args.set] + \
+        ([f"--data {shlex.quote(str(args.data))}"] if str(args.data) != DEFAULT_DATA else [])  # what shapes results
     header = (f"## k3 ablate {' '.join(asked)}\n\n"
               f"{n_runs} runs, seeds {list(scale.seeds)}, {jobs} job(s), {wall / 60:.1f} min wall "
               f"({sum(executed) / 60:.1f} min of run time, cached runs included), {summary['meta']['date']}.\n")

@@ -372,7 +372,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
 
     `replace`: False for callers whose data directory is an input (k3 demo, k3 ablate): a complete build of
     the same corpus with other settings (vocabulary, caps) is refused, naming them, rather than rebuilt in
-    place, which would strand the checkpoints trained on it. A build of an older corpus version is rebuilt."""
+    place, which would strand the checkpoints trained on it. A build of an older corpus version, or one recorded by
+    an older k3 (a request without today's keys), is rebuilt."""
     out_dir = Path(out_dir)
     if not 0.0 <= decontaminate <= 1.0:
         raise ValueError(f"decontaminate = {decontaminate} must be in [0, 1] (0: keep every validation document)")
@@ -411,8 +412,10 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
             log.info("rebuilding %s: %s", out_dir, err)
         else:
             skip = ("format", "corpus_fingerprint", "source")  # a newer version of the same corpus is rebuilt
-            diff = [f"{k} {held_request.get(k)!r} (asked: {v!r})" for k, v in request.items()
-                    if k not in skip and isinstance(held_request, dict) and held_request.get(k) != v]
+            # a key the held request lacks was recorded by an older k3, which could not ask for it: rebuild
+            old_version = not isinstance(held_request, dict) or any(k not in held_request for k in request)
+            diff = [] if old_version else [f"{k} {held_request[k]!r} (asked: {v!r})" for k, v in request.items()
+                                           if k not in skip and held_request[k] != v]
             if not replace and diff:
                 raise ValueError(f"{out_dir} holds data built with other settings: {', '.join(diff)}; building this "
                                  "data there would replace it and strand the checkpoints trained on it: give "

@@ -193,7 +193,7 @@ class StepLoop:
         lost = "" if self.step <= done else f" (step {self.step} is trained again)" if self.step == done + 1 else \
             f" (steps {done + 1}-{self.step} are trained again)"
         return (f"stopped in step {self.step + 1}; the last checkpoint is {latest}: the same command with --resume "
-                f"continues from step {done}{lost}")
+                f"(and without --overwrite) continues from step {done}{lost}")
 
     def train_step(self, step_fn: Callable[[int], dict]) -> dict:
         model = self.model

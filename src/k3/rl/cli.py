@@ -408,7 +408,6 @@ def cmd_demo(args) -> dict:
                               demos_per_task=DEMO["demos_per_task"], vocab_size=1024, steps=DEMO["warm_steps"],
                               batch=DEMO["warm_batch"], lr=3e-3, warmup=20, decay_frac=0.1, ckpt_every=0,
                               context_loss_weight=0.0, short_prompt_steps=0)
-    out = {"warmstart": cmd_warmstart(warm)}
     # the recipe of docs/rl.md's evidence runs: dialects swapped per episode (their own tool names: renamed
     # ones give a warm start this small almost no success to learn from), episodes weighed equally, a KL term
     train = argparse.Namespace(**common, init="warmstart", name="grpo", harness="canonical",
@@ -416,7 +415,13 @@ def cmd_demo(args) -> dict:
                                group_size=DEMO["group_size"], temperature=1.0, updates_per_batch=1, eps_low=0.2,
                                eps_high=0.28, beta=0.04, agg="sequence", no_std=False, lr=3e-4, warmup=2,
                                decay_frac=0.0, ckpt_every=DEMO["grpo_steps"] // 2, micro_batch=0)
-    out["grpo"] = cmd_train(train)
+    try:
+        out = {"warmstart": cmd_warmstart(warm)}
+        out["grpo"] = cmd_train(train)
+    except KeyboardInterrupt as e:  # the demo has no --resume: it starts over; a stage command continues
+        raise KeyboardInterrupt(f"{e}. " * bool(str(e)) + "`k3 rl --demo` starts over when run again; to continue the stage instead, "
+                                f"run `k3 rl warmstart` or `k3 rl train --init warmstart --name grpo` with --root {root} "
+                                "and the demo's settings (docs/rl.md) plus --resume") from None
     ev = argparse.Namespace(**common, models="warmstart,grpo", harness="canonical,unseen",
                             n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)
     report = cmd_eval(ev)

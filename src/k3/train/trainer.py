@@ -647,7 +647,7 @@ class Trainer:
                 except Exception as e:
                     if interrupt.requested:  # the Ctrl-C also reached helper processes (torch.compile's workers),
                         # whose death failed the step: an interruption, not an error (the last saved step stands)
-                        raise KeyboardInterrupt(f"interrupted during step {self.step + 1} ({type(e).__name__})") from e
+                        raise KeyboardInterrupt(f"during step {self.step + 1} ({type(e).__name__})") from e
                     raise
                 last_dt = self._step_s = rec["step_time_s"]
                 if result.losses:  # the first step of a call carries one-off start-up costs: not a step time
