@@ -27,6 +27,10 @@ def test_partial_rerun_keeps_earlier_rows_and_machine_lines(load_benchmark, tmp_
     assert f"| qat | {report.KEPT} {qat_label} (`settings.k3.recovery`) | 10,149 |  |" in new
     assert "settings.gone" not in new and new.count(report.KEPT) == 2  # the rerun moe row is not marked
     assert report.render(tmp_path, new) == new  # a rebuild does not stack the mark
+    # the carried-over rows form a table of their own, after the measured one
+    measured, carried = new.split("Carried over from earlier runs", 1)
+    assert "| 1.5 | >= 3x |" in measured and report.KEPT not in measured
+    assert carried.count(report.KEPT) == 2 and "| benchmark | measure | value | target |" in carried
     assert "old MoE row" not in new and "| 1.5 | >= 3x |" in new
     assert "- `moe`: hostB, 2, torch 2.13.0+cpu" in new
     assert "- `kda`: hostA, 2, torch 2.13.0+cpu (earlier run)" in new
