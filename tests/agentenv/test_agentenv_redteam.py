@@ -80,7 +80,9 @@ def test_fingerprint_detects_changes(sandbox):
         open(marker, "w").close()
         (host.canary / "data.txt").write_text("changed\n")
         socket.create_connection(("127.0.0.1", host.listener.port), 1).close()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # the listener thread counts the connection: wait for it, not a fixed time
+        while host.listener.connections == conns and time.monotonic() < deadline:
+            time.sleep(0.02)
         changes = host.changes(before, nonce, conns)
         assert any("marker" in c for c in changes) and "canary directory changed" in changes
         assert any("listener" in c for c in changes)
