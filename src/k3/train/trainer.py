@@ -122,6 +122,7 @@ class TrainConfig:
 
 # Fields that must match for a resumed run to see the same batches and updates.
 RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
 # ... and the same learning-rate schedule and update rule (read from the checkpoint's recorded train config;
 # `steps` may grow: the schedule is re-planned for the new total, as documented)
 SCHEDULE_FIELDS = ("lr", "warmup_steps", "warmup_frac", "decay_frac", "min_lr_ratio", "schedule_shape",
@@ -143,7 +144,6 @@ def check_schedule_fields(recorded: dict | None, tc: "TrainConfig", where: str) 
                 f"resume with TrainConfig({k}={have!r})"
             raise ckpt.CheckpointError(f"{where}: {k} is {have!r} in the checkpoint but {now!r} now; {fix} "
                                        "(or start a new run: a resume continues the same schedule)")
-DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
 
 
 def _compile_backends() -> set[str]:
