@@ -23,7 +23,8 @@ class FakeServer:
             def do_GET(self):  # GET /v1/models: `models` listed, or 404 (a server without the route) when None
                 outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization")})
                 code = get_status if models is not None else 404
-                data = json.dumps({"object": "list", "data": [{"id": m, "object": "model"} for m in models or ()]})
+                data = json.dumps({"object": "list", "data": [m if isinstance(m, dict) else {"id": m, "object": "model"}
+                                                              for m in models or ()]})
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -180,6 +181,35 @@ def test_http_endpoint_check_names_the_fix():
             srv.close()
     with pytest.raises(PolicyError, match="cannot reach http://127.0.0.1:9/v1 .*start the server first"):
         OpenAIChatPolicy("http://127.0.0.1:9/v1", "m").check_endpoint(timeout_s=5)
+    # entries without a string id are a list of another shape; a rate-limited chat probe is not a refusal
+    srv = FakeServer([], models=[{"name": "llama3"}])
+    try:
+        OpenAIChatPolicy(srv.url, "llama3").check_endpoint()
+        assert all(r["path"] == "/v1/models" for r in srv.requests)  # not judged: no chat probe
+    finally:
+        srv.close()
+    srv = FakeServer([(429, {"error": "slow down"})], models=["a"])
+    try:
+        OpenAIChatPolicy(srv.url, "b").check_endpoint()  # not listed, probe rate-limited: left to the episodes
+    finally:
+        srv.close()
+    # something that answers, but not HTTP (an SSH port): a clear error, not a traceback
+    import socket
+    import threading
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+
+    def not_http():
+        conn, _ = sock.accept()
+        conn.recv(1024)
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        conn.close()
+
+    threading.Thread(target=not_http, daemon=True).start()
+    with pytest.raises(PolicyError, match="cannot reach .*BadStatusLine"):
+        OpenAIChatPolicy(f"http://127.0.0.1:{sock.getsockname()[1]}/v1", "m").check_endpoint(timeout_s=5)
+    sock.close()
 
 
 def test_run_http_checks_the_server_before_any_episode(tmp_path, capsys, monkeypatch):

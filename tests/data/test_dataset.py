@@ -371,4 +371,10 @@ def test_an_input_data_directory_is_not_rebuilt_with_other_settings(text_dir, tm
     manifest = json.loads((d / "data.json").read_text())
     del manifest["request"]["decontaminate"]
     (d / "data.json").write_text(json.dumps(manifest))
-    assert not prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0, replace=False).reused
+    assert not prepare_data(d, str(text_dir), vocab_size=600, decontaminate=0, replace=False).reused
+    # ... but one whose recorded settings differ is refused all the same
+    manifest = json.loads((d / "data.json").read_text())
+    del manifest["request"]["decontaminate"]
+    (d / "data.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"vocab_size 600 \(asked: 512\)"):
+        prepare_data(d, str(text_dir), vocab_size=512, decontaminate=0, replace=False)

@@ -261,3 +261,4 @@ def test_ctrl_c_in_the_demo_does_not_advise_a_flag_it_lacks(tmp_path, monkeypatc
     assert main(["rl", "--demo", "--root", str(tmp_path / "r")]) == 130
     err = capsys.readouterr().err
     assert "stopped in step 3" in err and "`k3 rl --demo` starts over when run again" in err
+    assert "--resume" not in err  # the demo does not take it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import http.client
 import json
 import logging
 import math
@@ -155,15 +156,16 @@ class OpenAIChatPolicy(Policy):
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 data = json.loads(resp.read(4 << 20))
             listed = data.get("data") if isinstance(data, dict) else None
-            ids = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
+            ids = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+                if isinstance(listed, list) else []
         except urllib.error.HTTPError as e:
             if e.code not in (401, 403):
                 return  # no models route (404/405) or a server error: nothing to judge here
             refused = True
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            reason = getattr(e, "reason", e)
-            raise PolicyError(f"cannot reach {self.base_url} ({reason}); start the server first (e.g. "
-                              "`k3 serve --ckpt DIR --port 8000`) or pass its --base-url") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", e)  # HTTPException: something answers there, but not HTTP
+            raise PolicyError(f"cannot reach {self.base_url} ({type(reason).__name__}: {reason}); start the server "
+                              "first (e.g. `k3 serve --ckpt DIR --port 8000`) or pass its --base-url") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             return
         if self.model in ids or not (ids or refused):  # listed, or a list of another shape: nothing to judge
@@ -176,7 +178,7 @@ class OpenAIChatPolicy(Policy):
             with urllib.request.urlopen(chat, timeout=max(timeout_s, 60.0)) as resp:
                 resp.read(1 << 20)
         except urllib.error.HTTPError as e:
-            if e.code >= 500:
+            if e.code >= 500 or e.code in (408, 429):
                 return  # the server is up; a transient failure is for the episodes' retries
             said = e.read(300).decode("utf-8", "replace")
             fix = f"pass --model {ids[0]}" if ids else \
@@ -185,7 +187,7 @@ class OpenAIChatPolicy(Policy):
             served = f"; it lists {', '.join(map(str, ids))}" if ids else ""
             raise PolicyError(f"{self.base_url} refused a chat request for the model {self.model!r} "
                               f"(HTTP {e.code}: {said}){served}: {fix}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException):
             return  # up a moment ago: leave it to the episodes
 
     def act(self, transcript):

@@ -412,10 +412,11 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
             log.info("rebuilding %s: %s", out_dir, err)
         else:
             skip = ("format", "corpus_fingerprint", "source")  # a newer version of the same corpus is rebuilt
-            # a key the held request lacks was recorded by an older k3, which could not ask for it: rebuild
-            old_version = not isinstance(held_request, dict) or any(k not in held_request for k in request)
-            diff = [] if old_version else [f"{k} {held_request[k]!r} (asked: {v!r})" for k, v in request.items()
-                                           if k not in skip and held_request[k] != v]
+            # compare the settings both requests record; a key only today's has (recorded by an older k3, which
+            # could not ask for it) is no difference of its own: with the rest equal, the data is rebuilt
+            held = held_request if isinstance(held_request, dict) else {}
+            diff = [f"{k} {held[k]!r} (asked: {v!r})" for k, v in request.items()
+                    if k not in skip and k in held and held[k] != v]
             if not replace and diff:
                 raise ValueError(f"{out_dir} holds data built with other settings: {', '.join(diff)}; building this "
                                  "data there would replace it and strand the checkpoints trained on it: give "

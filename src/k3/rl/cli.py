@@ -418,10 +418,9 @@ def cmd_demo(args) -> dict:
     try:
         out = {"warmstart": cmd_warmstart(warm)}
         out["grpo"] = cmd_train(train)
-    except KeyboardInterrupt as e:  # the demo has no --resume: it starts over; a stage command continues
-        raise KeyboardInterrupt(f"{e}. " * bool(str(e)) + "`k3 rl --demo` starts over when run again; to continue the stage instead, "
-                                f"run `k3 rl warmstart` or `k3 rl train --init warmstart --name grpo` with --root {root} "
-                                "and the demo's settings (docs/rl.md) plus --resume") from None
+    except KeyboardInterrupt as e:  # the demo has no --resume: it starts over (the stage's advice does not apply)
+        where = str(e).split(": the same command", 1)[0].split("; no checkpoint", 1)[0]
+        raise KeyboardInterrupt(f"{where}; " * bool(where) + "`k3 rl --demo` starts over when run again") from None
     ev = argparse.Namespace(**common, models="warmstart,grpo", harness="canonical,unseen",
                             n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)
     report = cmd_eval(ev)
