@@ -95,7 +95,8 @@ def _skew(rank, world, n_experts, top_k, dim, tokens, zipf_s, redundant_per_rank
     from k3.model.moe import RoutedExperts
     from k3.parallel import comm
     from k3.parallel.expert import ExpertParallel
-    from k3.parallel.placement import balanced_placement, contiguous_placement, zipf_loads
+    from k3.parallel.placement import (Placement, balanced_placement, contiguous_placement, max_over_mean,
+                                       zipf_loads)
 
     torch.manual_seed(0)
     experts = RoutedExperts(n_experts, dim, 2 * dim)
@@ -114,14 +115,12 @@ def _skew(rank, world, n_experts, top_k, dim, tokens, zipf_s, redundant_per_rank
     out = {}
     # Zipf popularity is sorted by expert id, so contiguous shards are the worst case (the hottest experts all on
     # rank 0); experts in a random order over the ranks (one seeded permutation) is the typical case
-    from k3.parallel.placement import Placement
     perm = torch.randperm(n_experts, generator=torch.Generator().manual_seed(0))
     shuffled = Placement(n_experts, world, tuple(perm.tolist()))
     out["shuffled_order"] = perm.tolist()
     orders = [Placement(n_experts, world, tuple(torch.randperm(n_experts, generator=torch.Generator().manual_seed(s))
                                                 .tolist())) for s in range(200)]
-    out["shuffled_expected_over_200_orders"] = sorted(float(o.rank_loads(loads).max() / o.rank_loads(loads).mean())
-                                                      for o in orders)
+    out["shuffled_expected_over_200_orders"] = sorted(max_over_mean(o.rank_loads(loads)) for o in orders)
     for name, placement in (("before", contiguous_placement(n_experts, world)), ("shuffled", shuffled),
                             ("after", balanced)):
         ep = ExpertParallel(experts, placement, dist.group.WORLD)

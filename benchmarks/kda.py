@@ -151,7 +151,6 @@ def main() -> dict:
         "fwd_bwd_tokens_per_s": {n: s["tokens_per_s"] for n, s in b_sum.items()},
         "forward": f_sum,
         "fwd_bwd": b_sum,
-        "ours_forward_strong_decay": summary(strong["ours_chunk"], tokens),
         "strong_decay": {
             "g": "-5 * U(0, 1) per channel",
             "forward": {n: summary(ts, tokens) for n, ts in strong.items()},

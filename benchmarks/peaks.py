@@ -11,24 +11,10 @@ runs/bench/peaks.json (--quick: runs/bench/quick/peaks.json).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
-from k3.benchtools import bench_out, machine, positive_int, write_result
-
-
-def rate(n: int, dtype: torch.dtype, repeats: int) -> dict:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        ts.append(time.perf_counter() - t0)
-    return {"median_gflops": 2 * n**3 / statistics.median(ts) / 1e9, "best_gflops": 2 * n**3 / min(ts) / 1e9,
-            "repeats": repeats}
+from k3.benchtools import bench_out, machine, matmul_peak, positive_int, write_result
 
 
 def cpu_flags() -> list[str]:
@@ -52,7 +38,7 @@ def main(argv=None) -> dict:
     out = {"benchmark": "peaks", "n": n, "threads": {}, "cpu_flags": cpu_flags(), "machine": machine()}
     for threads in sorted({1, default_threads}):
         torch.set_num_threads(threads)
-        r = {name: rate(n, dt, repeats) for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+        r = {name: matmul_peak(repeats, n, dt) for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
         r["bf16_over_fp32"] = r["bf16"]["median_gflops"] / r["fp32"]["median_gflops"]
         out["threads"][str(threads)] = r
     torch.set_num_threads(default_threads)

@@ -83,12 +83,13 @@ def paired(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats: int,
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
-def matmul_peak(repeats: int = 5, n: int = 2048) -> dict:
-    """The measured fp32 n x n matmul rate on this CPU (GFLOP/s, median and best of `repeats`)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(repeats: int = 5, n: int = 2048, dtype: torch.dtype = torch.float32) -> dict:
+    """The measured n x n matmul rate on this CPU (GFLOP/s, median and best of `repeats`; fp32 unless `dtype`)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     ts = [timed(lambda: a @ b) for _ in range(repeats)]
-    return {"n": n, "median_gflops": 2 * n**3 / statistics.median(ts) / 1e9, "best_gflops": 2 * n**3 / min(ts) / 1e9}
+    return {"n": n, "median_gflops": 2 * n**3 / statistics.median(ts) / 1e9, "best_gflops": 2 * n**3 / min(ts) / 1e9,
+            "repeats": repeats}
 
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "runs" / "bench"

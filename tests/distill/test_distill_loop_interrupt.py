@@ -28,6 +28,7 @@ def test_ctrl_c_names_the_last_checkpoint_and_resume(tmp_path, monkeypatch, caps
     msg = str(ex.value)
     assert "stopped in step 4" in msg and "step_000002" in msg and "--resume (and without --overwrite) continues from step 2" in msg
     assert "(step 3 is trained again)" in msg
+    assert ex.value.where.startswith("stopped in step 4; the last checkpoint is") and "--resume" not in ex.value.where
     fresh, _ = _loop(tmp_path / "other")
     with pytest.raises(KeyboardInterrupt, match="no checkpoint was saved yet, so the same command starts over"):
         fresh.fit(lambda i: (_ for _ in ()).throw(KeyboardInterrupt))

@@ -254,8 +254,10 @@ def test_ctrl_c_in_the_demo_does_not_advise_a_flag_it_lacks(tmp_path, monkeypatc
     """The stages' advice is '--resume', which `k3 rl --demo` does not take: the demo says what it does instead."""
     import k3.rl.cli as rl_cli
 
-    def stop(args):
-        raise KeyboardInterrupt("stopped in step 3; the last checkpoint is X: the same command with --resume")
+    def stop(args):  # as StepLoop raises it
+        e = KeyboardInterrupt("stopped in step 3; the last checkpoint is X: the same command with --resume")
+        e.where = "stopped in step 3; the last checkpoint is X"
+        raise e
 
     monkeypatch.setattr(rl_cli, "cmd_warmstart", stop)
     assert main(["rl", "--demo", "--root", str(tmp_path / "r")]) == 130

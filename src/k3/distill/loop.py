@@ -166,7 +166,10 @@ class StepLoop:
                 try:
                     rec = self.train_step(step_fn)
                 except KeyboardInterrupt:
-                    raise KeyboardInterrupt(self._interrupted_message()) from None
+                    where, advice = self._interrupted_message()
+                    stop = KeyboardInterrupt(f"{where}{advice}")
+                    stop.where = where  # for a caller whose own advice differs (k3 rl --demo has no --resume)
+                    raise stop from None
                 emit(rec)
                 if self.lc.eval_every and self.step % self.lc.eval_every == 0 and not self._done():
                     run_eval()
@@ -184,16 +187,16 @@ class StepLoop:
                 writer.close()
         return records
 
-    def _interrupted_message(self) -> str:
-        """What a Ctrl-C during step self.step + 1 leaves: the last checkpoint, and how to continue from it."""
+    def _interrupted_message(self) -> tuple[str, str]:
+        """What a Ctrl-C during step self.step + 1 leaves (the last checkpoint), and how to continue from it."""
         latest = ckpt.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir is not None else None
         if latest is None:
-            return f"stopped in step {self.step + 1}; no checkpoint was saved yet, so the same command starts over"
+            return f"stopped in step {self.step + 1}", "; no checkpoint was saved yet, so the same command starts over"
         done = int(latest.name.rsplit("_", 1)[-1])
         lost = "" if self.step <= done else f" (step {self.step} is trained again)" if self.step == done + 1 else \
             f" (steps {done + 1}-{self.step} are trained again)"
-        return (f"stopped in step {self.step + 1}; the last checkpoint is {latest}: the same command with --resume "
-                f"(and without --overwrite) continues from step {done}{lost}")
+        return (f"stopped in step {self.step + 1}; the last checkpoint is {latest}",
+                f": the same command with --resume (and without --overwrite) continues from step {done}{lost}")
 
     def train_step(self, step_fn: Callable[[int], dict]) -> dict:
         model = self.model

@@ -419,7 +419,7 @@ def cmd_demo(args) -> dict:
         out = {"warmstart": cmd_warmstart(warm)}
         out["grpo"] = cmd_train(train)
     except KeyboardInterrupt as e:  # the demo has no --resume: it starts over (the stage's advice does not apply)
-        where = str(e).split(": the same command", 1)[0].split("; no checkpoint", 1)[0]
+        where = getattr(e, "where", "")
         raise KeyboardInterrupt(f"{where}; " * bool(where) + "`k3 rl --demo` starts over when run again") from None
     ev = argparse.Namespace(**common, models="warmstart,grpo", harness="canonical,unseen",
                             n_per_kind=DEMO["eval_per_kind"], variants=1, out=None)
