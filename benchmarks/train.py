@@ -3,13 +3,13 @@
     python benchmarks/train.py [--json] [--quick] [--steps N] [--batch-size B] [--seq-len T] [--optimizer adamw|muon]
 
 Runs the real Trainer (fp32 on CPU, bf16 autocast on CUDA) on random tokens (throughput does not depend on
-the text). After warm-up steps, `--steps` timed steps give tokens/s (median step) and MFU against the
-measured rate of a 2048^2 matmul in the same process (on a CPU the median of runs before and after the steps,
-whose rate moves with other work on the machine). The same steps are split into
-KDA, MLA, MoE, AttnRes, dense MLP, embedding/head, the optimizer and the rest with
-k3.train.profiling.ComponentTimer (forward: timed calls; backward: gradient hooks at each component's
-output and input; AttnRes backward: the gaps between components). Shares are medians over the timed
-steps of each part's fraction of its step. Writes runs/bench/train.json atomically.
+the text). After warm-up steps, `--steps` profiled steps are split into KDA, MLA, MoE, AttnRes, dense MLP,
+embedding/head, the optimizer and the rest with k3.train.profiling.ComponentTimer (forward: timed calls;
+backward: gradient hooks at each component's output and input; AttnRes backward: the gaps between
+components); shares are medians over those steps of each part's fraction of its step. Then as many steps
+again, without the profiler (its hooks cost time), give tokens/s (median step) and MFU against the measured
+rate of a 2048^2 matmul in the same process (on a CPU the median of runs before and after the steps, whose
+rate moves with other work on the machine). Writes runs/bench/train.json atomically.
 """
 from __future__ import annotations
 
@@ -58,13 +58,12 @@ def main(argv=None) -> dict:
     peak_runs = [matmul_peak(5)] if cpu else []
     for _ in range(args.warmup):
         trainer.train_step()
-    times, shares = [], defaultdict(list)
+    shares = defaultdict(list)
     timer.enabled = True
     for _ in range(steps):
         timer.reset()
         rec = trainer.train_step()
         dt_step = rec["step_time_s"]
-        times.append(dt_step)
         parts = timer.split(rec["forward_s"], rec["backward_s"])
         for comp in set(parts["forward"]) | set(parts["backward"]):
             shares[comp].append((parts["forward"].get(comp, 0.0) + parts["backward"].get(comp, 0.0)) / dt_step)

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from k3 import cli
 
 
@@ -24,7 +26,8 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     parser = cli.build_parser()
     args = parser.parse_args(["params", "--preset", "tiny"])
     monkeypatch.setattr(args, "func", boom, raising=False)
-    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
+    monkeypatch.setattr(parser, "parse_args", lambda argv: args)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
     assert cli.main(["params"]) == 1
     assert "a worker's pipe" in capsys.readouterr().err
 
@@ -49,3 +52,23 @@ def test_params_summary_line_says_when_no_layer_is_moe(capsys):
     assert cli.main(["params", "--preset", "tiny", "--set", "n_dense_layers=4"]) == 0
     out = capsys.readouterr().out
     assert "no MoE layer (every layer dense)" in out and "experts, latent" not in out
+
+
+@pytest.mark.parametrize("argv, flag", [(["tokenize", "--data", ""], "--data"), (["train", "--out", ""], "--out"),
+                                        (["eval", "--ckpt", ""], "--ckpt"), (["rl", "train", "--root", ""], "--root"),
+                                        (["distill", "mopd", "--teachers", ""], "--teachers")])
+def test_an_empty_option_value_is_an_error_not_the_current_directory(argv, flag, capsys, tmp_path, monkeypatch):
+    """`--data "$DATA"` with DATA unset: `k3 tokenize` tokenized the current directory."""
+    from k3.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert f"{flag} is empty (an unset shell variable?)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_open_corpus_refuses_an_empty_spec():
+    from k3.data.corpus import open_corpus
+
+    with pytest.raises(ValueError, match="is empty"):
+        open_corpus("")

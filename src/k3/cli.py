@@ -42,6 +42,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# string options for which an empty value means something (the others name paths, models, lists, ...)
+EMPTY_ALLOWED = {"prompt", "compile"}
+
+
+def _string_options(parser: argparse.ArgumentParser, found: dict | None = None) -> dict[str, str]:
+    """dest -> flag of every option (in every subcommand) that takes one string value."""
+    found = {} if found is None else found
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                _string_options(sub, found)
+        elif a.option_strings and a.type in (None, str) and a.nargs is None and a.const is None \
+                and a.dest not in EMPTY_ALLOWED and isinstance(a, argparse._StoreAction):
+            found.setdefault(a.dest, a.option_strings[-1])
+    return found
+
+
+def check_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option given as "" (an unset shell variable: `--data "$DATA"`) is an error, not a silent "." for a path."""
+    for dest, flag in _string_options(parser).items():
+        if getattr(args, dest, None) == "":
+            raise ValueError(f"{flag} is empty (an unset shell variable?); give it a value, or drop {flag} to use "
+                             "its default")
+
+
 def _stdout_reader_gone() -> bool:
     """True when stdout is a pipe or socket whose reading end is closed (poll reports POLLERR, for a socket POLLHUP,
     on the writing end). A flush
@@ -68,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_empty_values(parser, args)
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code

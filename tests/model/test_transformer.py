@@ -168,3 +168,91 @@ def test_a_cache_of_another_layer_pattern_is_refused():
         mla(x, KDACache())
     with pytest.raises(ValueError, match="KimiDeltaAttention takes a KDACache, got a MLACache"):
         kda(x, MLACache())
+
+
+def _state(cache):
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(s).items()} for s in cache.slots]
+
+
+def _same_state(a, b):
+    return all(x.keys() == y.keys() and all(
+        (x[k] is None and y[k] is None) or (isinstance(x[k], torch.Tensor) and torch.equal(x[k], y[k]))
+        for k in x) for x, y in zip(a, b))
+
+
+def test_a_cache_of_another_model_batch_or_dtype_fails_before_any_slot_moves():
+    """A cache filled by a model of other widths (or another batch) is refused with a ValueError naming the slot
+    before any layer runs; one of another dtype fails in its MLA layer, and the KDA slots before it are rolled
+    back: the cache is left exactly as it was, not with some states advanced."""
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    m = K3Model(cfg).eval()
+    ids = torch.randint(0, 512, (2, 5))
+    with torch.no_grad():
+        other = K3Model(cfg.replace(mla_kv_lora_rank=16)).eval()
+        c = other.new_cache()
+        other(ids, c)
+        before = _state(c)
+        with pytest.raises(ValueError, match=r"cache slot 3 \(MLACache.latent\) is \(2, 5, 16\).*need \(2, 5, 32\)"):
+            m(ids[:, :1], c)
+        assert _same_state(before, _state(c)) and c.seen_tokens == 5
+        mine = m.new_cache()
+        m(ids, mine)
+        with pytest.raises(ValueError, match=r"cache slot 0 \(KDACache.conv_state\).*a batch of 1"):
+            m(ids[:1, :1], mine)
+        wide = m.new_cache()
+        K3Model(cfg.replace(kda_head_dim=16)).eval()(ids, wide)
+        with pytest.raises(ValueError, match=r"cache slot 0 \(KDACache"):
+            m(ids[:, :1], wide)
+
+        double = m.new_cache()
+        m.double()(ids, double)
+        m.float()
+        before = _state(double)
+        with pytest.raises(ValueError, match="latent is torch.float64 but this layer computes torch.float32"):
+            m(ids[:, :1], double)
+        assert _same_state(before, _state(double)) and double.seen_tokens == 5  # KDA slots 0-2 rolled back
+        # and the intact cache still decodes like a fresh float64 model would
+        m.double()
+        torch.testing.assert_close(m(ids[:, :1], double), m(torch.cat([ids, ids[:, :1]], 1))[:, -1:])
+        m.float()
+
+
+def test_merge_and_select_refuse_what_they_cannot_do():
+    from k3.model.cache import HybridCache
+
+    torch.manual_seed(0)
+    cfg = get_config("tiny")
+    a, b = K3Model(cfg).eval(), K3Model(cfg.replace(mla_kv_lora_rank=16)).eval()
+    ca, cb = a.new_cache(), b.new_cache()
+    with torch.no_grad():
+        a(torch.randint(0, 512, (1, 3)), ca)
+        b(torch.randint(0, 512, (1, 3)), cb)
+    with pytest.raises(ValueError, match=r"cache slot 3 differs between the caches.*merge caches of one model"):
+        HybridCache.merge([ca, cb])
+    with pytest.raises(ValueError, match="non-empty list of row indices"):
+        ca.select([])
+    with pytest.raises(ValueError, match=r"rows \[5\] outside the cache's rows 0..0"):
+        ca.select([5])
+    assert ca.select([0]).seen_tokens == 3
+
+
+def test_generate_checks_its_arguments_before_the_prefill():
+    m = _model()
+    ids = torch.randint(0, m.config.vocab_size, (1, 4))
+    for kwargs, msg in [({"max_new_tokens": -1}, "max_new_tokens = -1"), ({"max_new_tokens": 2.5}, "max_new_tokens"),
+                        ({"max_new_tokens": 2, "top_p": 0.0}, "top_p = 0.0"),
+                        ({"max_new_tokens": 2, "temperature": float("nan")}, "temperature = nan"),
+                        ({"max_new_tokens": 2, "temperature": -1.0}, "temperature = -1.0")]:
+        calls = []
+        hook = m.register_forward_hook(lambda mod, args, out: calls.append(1))
+        try:
+            with pytest.raises(ValueError, match=msg):
+                m.generate(ids, **kwargs)
+        finally:
+            hook.remove()
+        assert not calls, kwargs
+    n = m.config.max_context - 4 + 2
+    with pytest.raises(ValueError, match=rf"max_new_tokens = {n}.*over max_context = {m.config.max_context}"):
+        m.generate(ids, max_new_tokens=n)
+    assert m.generate(ids, max_new_tokens=0).shape == (1, 4)

@@ -291,6 +291,9 @@ def open_corpus(spec: str | os.PathLike | None = None, *, val_fraction: float = 
         desc = f"{STDLIB_SOURCE} {platform.python_version()} ({root})"
         return Corpus(_file_entries(stdlib_files(root)), desc, val_fraction)
     s = os.path.expanduser(str(spec))
+    if not s.strip():
+        raise ValueError(f"--data {spec!r} is empty; give a directory, a glob or a file (or omit --data for the "
+                         "built-in stdlib corpus)")
     path = Path(s)
     if globlib.has_magic(s) and not path.exists():
         # each file once ("**/**" lists a file under every way of reaching it)

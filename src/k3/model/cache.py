@@ -146,6 +146,13 @@ class HybridCache:
             raise ValueError("merge needs at least one cache")
         if len({len(c) for c in caches}) != 1:
             raise ValueError(f"caches have {sorted({len(c) for c in caches})} slots; merge caches of one model")
+        for i, group in enumerate(zip(*(c.slots for c in caches))):
+            kinds = {type(s).__name__ for s in group}
+            widths = {(name, tuple(t.shape[2:])) for s in group for name, t in vars(s).items()
+                      if isinstance(t, torch.Tensor) and t.dim() > 2}  # all but batch and length
+            if len(kinds) > 1 or len(widths) > len({name for name, _ in widths}):
+                raise ValueError(f"cache slot {i} differs between the caches ({', '.join(sorted(kinds))}; "
+                                 f"{sorted(widths)}); merge caches of one model")
         slots = [type(group[0]).merge(list(group)) for group in zip(*(c.slots for c in caches))]
         per_row = [n for c in caches for n in c.tokens_per_row()]
         return cls(slots, max(c.seen_tokens for c in caches), per_row if len(set(per_row)) > 1 else None)
@@ -159,6 +166,11 @@ class HybridCache:
     def select(self, rows) -> "HybridCache":
         """A cache of only `rows` (a list or 1-d tensor of row indices), padding columns trimmed."""
         rows = torch.as_tensor(rows, dtype=torch.long)
+        n = self.batch_size
+        if rows.dim() != 1 or not rows.numel():
+            raise ValueError(f"select takes a non-empty list of row indices, got {rows.tolist()}")
+        if n is not None and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise ValueError(f"select: rows {rows.tolist()} outside the cache's rows 0..{n - 1}")
         out = HybridCache([s.select(rows.to(_device(s, rows))) for s in self.slots], self.seen_tokens)
         if self.row_tokens is not None:
             kept = [self.row_tokens[i] for i in rows.tolist()]
@@ -184,6 +196,34 @@ class HybridCache:
             if t is not None:
                 return t.shape[0]
         return None
+
+    def check(self, config, batch: int) -> None:
+        """Every slot's tensors must have the shapes `config` gives them and the batch `batch` (a ValueError names
+        the slot and the shape); checked before a forward touches any slot, so a cache of another model or batch
+        fails without being half advanced."""
+        fix = "make the cache with model.new_cache() (one per model and batch of sequences)"
+        H, K, W = config.kda_heads, config.kda_head_dim, config.kda_conv_size
+        for i, slot in enumerate(self.slots):
+            if isinstance(slot, KDACache):
+                want = {"conv_state": (batch, 3 * H * K, W - 1), "state": (batch, H, K, K)}
+            else:
+                S = slot.length
+                want = {"latent": (batch, S, config.mla_kv_lora_rank), "key_mask": (batch, S)}
+            for name, shape in want.items():
+                t = getattr(slot, name)
+                if t is not None and not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape):
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"cache slot {i} ({type(slot).__name__}.{name}) is {got}, but this model and "
+                                     f"a batch of {batch} need {shape}; {fix}")
+
+    def snapshot(self) -> list[dict]:
+        """The slots' tensors, by reference (layers replace them, never write into them): `restore` undoes a
+        forward that failed part way."""
+        return [dict(vars(s)) for s in self.slots]
+
+    def restore(self, snapshot: list[dict]) -> None:
+        for slot, saved in zip(self.slots, snapshot):
+            vars(slot).update(saved)
 
     def __getitem__(self, i: int):
         return self.slots[i]

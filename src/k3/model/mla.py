@@ -78,6 +78,9 @@ class GatedMLA(nn.Module):
         c_kv = self.kv_norm(self.wkv_a(x))  # [B, T, C]
         P, key_mask = 0, None
         if cache is not None:
+            if cache.latent is not None and cache.latent.dtype != c_kv.dtype:
+                raise ValueError(f"the cache's latent is {cache.latent.dtype} but this layer computes "
+                                 f"{c_kv.dtype}; decode with the dtype (and autocast) the cache was filled with")
             P = cache.length
             c_kv = cache.append(c_kv)  # [B, P + T, C]
             key_mask = cache.key_mask  # [B, P + T] when rows of different lengths share the cache

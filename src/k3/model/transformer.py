@@ -87,6 +87,7 @@ class K3Model(nn.Module):
                 if not isinstance(slot, KDACache if kind == KDA else MLACache):
                     raise ValueError(f"cache slot {i} is a {type(slot).__name__}, but layer {i} is "
                                      f"{'KDA' if kind == KDA else 'MLA'}; make the cache with model.new_cache()")
+            cache.check(self.config, input_ids.shape[0])
         T = input_ids.shape[1]
         seen = cache.seen_tokens if cache is not None else 0
         if seen + T > self.config.max_context:
@@ -94,11 +95,17 @@ class K3Model(nn.Module):
         x = self.embed(input_ids)
         ar = self.attnres
         state = ar.start(x)
-        for i, block in enumerate(self.layers):
-            h = ar.mix(state, 2 * i)
-            ar.push(state, 2 * i, block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
-            h = ar.mix(state, 2 * i + 1)
-            ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
+        saved = None if cache is None else cache.snapshot()
+        try:
+            for i, block in enumerate(self.layers):
+                h = ar.mix(state, 2 * i)
+                ar.push(state, 2 * i, block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
+                h = ar.mix(state, 2 * i + 1)
+                ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
+        except BaseException:  # a layer failed (or Ctrl-C): the cache stays as it was, not half advanced
+            if saved is not None:
+                cache.restore(saved)
+            raise
         if cache is not None:
             cache.seen_tokens += T
             if cache.row_tokens is not None:
@@ -127,6 +134,16 @@ class K3Model(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
         """Minimal cached sampling loop: prefill once, then one token at a time. [B, T] -> [B, T + new]."""
+        from k3.serve.sampling import SamplingParams  # the server's checks; serve imports the model
+
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens = {max_new_tokens!r} is invalid: must be an integer >= 0")
+        SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p).validate()
+        total = (input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0) + max(max_new_tokens - 1, 0)
+        if total > self.config.max_context:
+            raise ValueError(f"{input_ids.shape[-1]} prompt tokens + max_new_tokens = {max_new_tokens} need a "
+                             f"context of {total} (the last token is not fed back), over max_context = "
+                             f"{self.config.max_context}; lower max_new_tokens or shorten the prompt")
         cache = self.new_cache()
         logits = self(input_ids, cache)[:, -1]
         out = [input_ids]
