@@ -59,6 +59,10 @@ BAD = [
     (dict(routed_scale=float("inf")), "routed_scale", "finite"),  # `--set routed_scale=Infinity` parses
     (dict(init_std=float("nan")), "init_std", "finite"),
     (dict(bias_update_rate=float("inf")), "bias_update_rate", "finite"),
+    # sizes torch cannot build (an overflow traceback from `k3 params` before)
+    (dict(vocab_size=10 ** 30), "vocab_size", "typo"),
+    (dict(max_context=2 ** 31), "max_context", "typo"),
+    (dict(n_experts=2 ** 31 - 1, expert_ffn=2 ** 31 - 1, n_active_experts=1), "n_experts", "lower these sizes"),
 ]
 
 

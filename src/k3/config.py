@@ -21,6 +21,7 @@ class K3ConfigError(ValueError):
 
 
 KDA, MLA = "K", "M"
+MAX_DIM = 2 ** 31 - 1  # the largest integer config value (a dimension or count) that validate() accepts
 
 
 @dataclass
@@ -143,6 +144,16 @@ class K3Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 bad(name, "must be a positive integer", f"set {name} to a value >= 1")
+        for f in fields(self):  # a typo's extra digits: torch cannot build the tensors (an overflow traceback)
+            v = getattr(self, f.name)
+            if f.type == "int" and v > MAX_DIM:
+                bad(f.name, "is larger than 2^31 - 1", "no tensor dimension (or count) this large can be "
+                    "built; check the value for a typo")
+        for what, n in [("vocab_size x d_model", self.vocab_size * self.d_model),
+                        ("n_experts x expert_ffn x d_model", self.n_experts * self.expert_ffn * self.d_model)]:
+            if n >= 2 ** 62:
+                bad(what.split(" x ")[0], f"makes a tensor of {what} = {n} elements, more than torch can index",
+                    "lower these sizes")
         for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers"]:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")

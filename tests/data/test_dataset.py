@@ -209,11 +209,13 @@ def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
                                          "`k3 tokenize --force`"):
         prepare_data(out, str(other), vocab_size=300)
     assert (out / "train.bin").read_bytes() == before
-    # a rebuild of this corpus that fails (a vocabulary its text cannot support) keeps the guard: the splits
-    # still say whose data the directory holds
+    # a rebuild of this corpus that fails (a vocabulary its text cannot support) leaves the data that was there
+    # complete and usable (it was built in a staging folder, removed again), and keeps the guard
+    names = sorted(p.name for p in out.iterdir())
     with pytest.raises(ValueError, match="supports only"):
         prepare_data(out, str(text_dir), vocab_size=60_000, decontaminate=0)
-    assert not (out / "data.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == names and (out / "train.bin").read_bytes() == before
+    assert prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0).reused
     with pytest.raises(ValueError, match="holds data tokenized from directory"):
         prepare_data(out, str(other), vocab_size=280)
     assert "other" in prepare_data(out, str(other), vocab_size=280, force=True).info["request"]["source"]

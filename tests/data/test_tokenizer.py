@@ -115,3 +115,28 @@ def test_text_with_a_lone_surrogate_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="must be a str, got bytes"):
         tok.encode(b"ab")
     assert tok.decode(tok.encode("ab")) == "ab"
+
+
+def test_ids_outside_the_vocabulary_and_non_integers_are_named(tok):
+    """tokenizers drops an id past the end without a word ('' for [V]) and int() truncated 1.5 to a special."""
+    import numpy as np
+    import torch
+
+    V = tok.vocab_size
+    for bad in ([V], [-1], [3, V + 7]):
+        with pytest.raises(ValueError, match=rf"token id -?\d+ is outside this tokenizer's vocabulary \[0, {V}\)"):
+            tok.decode(bad)
+    with pytest.raises(ValueError, match=r"must be integers, got 1.5"):
+        tok.decode([1.5])
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode_batch([[1], [V]])
+    with pytest.raises(ValueError, match="outside"):
+        tok.id_to_token(-1)
+    ids = tok.encode("def f(x): return x")
+    text = tok.decode(ids)
+    assert tok.decode(torch.tensor(ids)) == tok.decode(np.array(ids)) == tok.decode([np.int64(i) for i in ids]) == text
+    assert tok.id_to_token(torch.tensor(ids[0])) == tok.id_to_token(ids[0])
+    with pytest.raises(ValueError, match="got one string"):
+        tok.encode_batch("abc")
+    with pytest.raises(ValueError, match="item 1 is int 3"):
+        tok.encode_batch(["a", 3])

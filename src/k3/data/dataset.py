@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 DATASET_FORMAT = 1
 DATA_MANIFEST = "data.json"
 DATA_MARK = ".k3-data"  # written before a build starts: the directory's files are k3's, even if the build failed
+STAGE_PREFIX = ".k3-build-"  # a build in progress (a folder inside the data directory, moved in when complete)
 DEFAULT_DECONTAMINATE = 0.5  # validation documents this much made of training lines are left out
 _BATCH_SALT = 0x6B33  # keeps these streams apart from any other SeedSequence([seed, step]) in k3
 
@@ -423,8 +426,23 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
                                  "another --data (a new directory is built), or rebuild this one with k3 tokenize")
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / DATA_MARK, "data built by k3 (k3 tokenize / k3 train); rebuilt in place\n")
-    (out_dir / DATA_MANIFEST).unlink(missing_ok=True)
+    # built in a staging folder and moved in only when complete: a build that fails (or is interrupted) leaves
+    # the data that was there as it was
+    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out_dir))
+    try:
+        info = _build(stage, corpus, request, vocab_size, max_bytes, tokenizer_max_bytes, decontaminate, progress)
+        (out_dir / DATA_MANIFEST).unlink(missing_ok=True)  # from here until it is written, a half-moved folder
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == TOKENIZER_FILE):  # reads as no complete build
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    atomic_write_text(out_dir / DATA_MANIFEST, json.dumps(info, indent=2) + "\n")
+    return load_data(out_dir)
 
+
+def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int | None, tokenizer_max_bytes: int,
+           decontaminate: float, progress: bool) -> dict:
+    """Tokenizer and both splits written into `out_dir`; returns the data record (data.json) to write with them."""
     t0 = time.perf_counter()
     tok_bytes = tokenizer_max_bytes if max_bytes is None else min(max_bytes, tokenizer_max_bytes)
     tok = train_tokenizer(corpus.documents("train", max_bytes=tok_bytes), vocab_size,
@@ -449,10 +467,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
             extra={"split": split, "max_bytes": max_bytes, "corpus_fingerprint": corpus.fingerprint()},
         )
         timings[f"{split}_s"] = round(time.perf_counter() - t1, 3)
-    info = {"request": request, "timings": timings, "tokenizer_hash": tok.fingerprint,
+    return {"request": request, "timings": timings, "tokenizer_hash": tok.fingerprint,
             "tokenizer_bytes": tok.trained_bytes, "val_excluded": excluded}
-    atomic_write_text(out_dir / DATA_MANIFEST, json.dumps(info, indent=2) + "\n")
-    return DataFiles(out_dir, tok, datasets["train"], datasets["val"], info)
 
 
 def _not_empty(documents: Iterable[Document], description: str, excluded: list[dict],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -111,7 +112,13 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str], *, bos: bool = False, eos: bool = False,
                      allow_special: bool = True) -> list[list[int]]:
+        if isinstance(texts, str):
+            raise ValueError("encode_batch takes a list of texts, got one string (it would be split into its "
+                             "characters); use encode(text) or encode_batch([text])")
         texts = list(texts)
+        for n, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise ValueError(f"encode_batch takes a list of strings; item {n} is {type(t).__name__} {t!r}")
         # The plain encoder is slower, and only matters for texts that contain "<|" (every special does).
         plain = [] if allow_special else [i for i, t in enumerate(texts) if "<|" in t]
         out = _ids(self.hf, texts)
@@ -123,14 +130,31 @@ class Tokenizer:
             out = [pre + ids + post for ids in out]
         return out
 
+    def _ids(self, ids: Iterable[int]) -> list[int]:
+        """Integer ids in [0, vocab_size) (a ValueError names the first that is not: the tokenizers library drops an
+        id past the end without a word, and a float would be truncated)."""
+        if hasattr(ids, "tolist"):  # a tensor or an array
+            ids = ids.tolist()
+        out, V = [], self.vocab_size
+        for i in ids:
+            try:
+                j = operator.index(i)
+            except TypeError:
+                raise ValueError(f"token ids must be integers, got {i!r} ({type(i).__name__})") from None
+            if not 0 <= j < V:
+                raise ValueError(f"token id {j} is outside this tokenizer's vocabulary [0, {V}); was it made with "
+                                 "another tokenizer?")
+            out.append(j)
+        return out
+
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        return self.hf.decode(self._ids(ids), skip_special_tokens=skip_special)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], *, skip_special: bool = False) -> list[str]:
-        return self.hf.decode_batch([[int(i) for i in ids] for ids in batch], skip_special_tokens=skip_special)
+        return self.hf.decode_batch([self._ids(ids) for ids in batch], skip_special_tokens=skip_special)
 
     def id_to_token(self, i: int) -> str | None:
-        return self.hf.id_to_token(int(i))
+        return self.hf.id_to_token(self._ids([i])[0])
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
