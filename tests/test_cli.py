@@ -72,3 +72,15 @@ def test_open_corpus_refuses_an_empty_spec():
 
     with pytest.raises(ValueError, match="is empty"):
         open_corpus("")
+
+
+@pytest.mark.parametrize("argv", [["sample"], ["train"], ["rl", "train"], ["distill", "mopd"], ["agentenv", "run"]])
+def test_a_seed_torch_cannot_take_is_refused_naming_the_flag(argv, capsys):
+    """`k3 sample --seed 99999999999999999999999` said only 'Overflow when unpacking long long'."""
+    from k3.cli import main
+
+    for bad in ("99999999999999999999999", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(argv + ["--seed", bad])
+        assert e.value.code == 2
+        assert f"argument --seed: {bad} is outside [0, 2^62)" in capsys.readouterr().err

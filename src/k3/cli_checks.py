@@ -36,3 +36,18 @@ def output_dir(flag: str, path) -> None:
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path} is a file; give a directory")
     output_file(flag, p / "x")  # the parents
+
+
+MAX_SEED = 2 ** 62  # room for the offsets added to a seed (seed + step, seed + sample index) below torch's 2^64
+
+
+def seed(text: str) -> int:
+    """argparse type of --seed: an integer in [0, 2^62) (torch.manual_seed overflowed on larger ones, with a message
+    that named no flag)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{v} is outside [0, 2^62): give a seed in that range")
+    return v

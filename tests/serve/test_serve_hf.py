@@ -257,6 +257,11 @@ def test_k3_export_format_hf_cli(tok, tmp_path, capsys):
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"), "--format", "hf",
                  "--activations", "mxfp8"]) == 2
     assert "--activations applies to --format mx only" in capsys.readouterr().err
+    # k3's own commands take the training checkpoint; an HF export given to them is named as one
+    for argv in (["eval", "--ckpt", str(tmp_path / "hf")], ["sample", "--ckpt", str(tmp_path / "hf")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is a Hugging Face transformers export" in err and "no checkpoint at" not in err
 
 
 def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):

@@ -170,7 +170,7 @@ def _error(resp: httpx.Response, status: int, param=None, code=None) -> dict:
     return err
 
 
-def test_bad_requests_get_openai_errors(server_url, tiny_model):
+def test_bad_requests_get_openai_errors(server_url, tiny_model, serve_tokenizer):
     http = httpx.Client(base_url=server_url, timeout=30)
     post = lambda path, body: http.post(path, json=body)  # noqa: E731
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
@@ -216,6 +216,26 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model):
                                     "stream_options": {"include_usage": "yes"}}), 400, "include_usage")
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                          "max_tokens": 0, "max_completion_tokens": 1}), 400, "max_tokens")
+    # JSON nested thousands deep (a RecursionError in the parser gave a 500)
+    _error(raw("/v1/completions", "[" * 5000 + "]" * 5000), 400, code="invalid_json")
+    # text that cannot fit is refused from its size, before it is tokenized (4 MB took seconds on the event loop);
+    # the bound is exact: the largest text that might fit is still tokenized and measured
+    from k3.serve.server import _check_text_fits
+    tok = serve_tokenizer
+    err = _error(post("/v1/completions", {"model": MODEL, "prompt": "x" * (ctx * tok.max_token_bytes)}), 400,
+                 "prompt", "context_length_exceeded")
+    assert "bytes of text, at least" in err["message"]
+    err = _error(post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "y" * (ctx * tok.max_token_bytes)}]}]}), 400,
+        "messages", "context_length_exceeded")
+    assert "bytes of text, at least" in err["message"]
+    _check_text_fits((ctx - 1) * tok.max_token_bytes, tok, ctx, "prompt")  # might fit: left to the tokenizer
+    # tools without a function name, and a bad reasoning_content named as such
+    _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                         "tools": [{"type": "function"}]}), 400, "tools")
+    err = _error(post("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "assistant", "content": "a", "reasoning_content": 5}, {"role": "user", "content": "x"}]}), 400)
+    assert "messages[0].reasoning_content must be" in err["message"]
     # the official client maps them to its exception types
     with pytest.raises(openai.NotFoundError):
         client(server_url).completions.create(model="nope", prompt="x")

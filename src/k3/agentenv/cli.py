@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from k3.cli_checks import output_file
+from k3.cli_checks import output_file, seed as seed_type
 
 
 def register(subparsers) -> None:
@@ -49,7 +49,7 @@ def register(subparsers) -> None:
     r.add_argument("--backend", choices=["process", "ray"], default="process",
                    help="local process pool, or Ray tasks (a local instance, or --ray-address)")
     r.add_argument("--ray-address", default=None, help="address of a running Ray cluster (backend ray)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=seed_type, default=0)
     r.add_argument("--dialects", default=None, help="comma-separated subset of kimi,claude,codex,react")
     r.add_argument("--no-augment", action="store_true", help="canonical tool names only")
     r.add_argument("--max-steps", type=int, default=None)

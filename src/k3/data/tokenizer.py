@@ -60,6 +60,14 @@ class Tokenizer:
         return self.hf.get_vocab_size(with_added_tokens=True)
 
     @property
+    def max_token_bytes(self) -> int:
+        """Bytes of text the longest token stands for (a byte-level token's string has one character per byte):
+        a text of n bytes is at least ceil(n / max_token_bytes) tokens, known without encoding it."""
+        if getattr(self, "_max_token_bytes", None) is None:
+            self._max_token_bytes = max(len(t.encode("utf-8")) for t in self.hf.get_vocab(with_added_tokens=True))
+        return self._max_token_bytes
+
+    @property
     def fingerprint(self) -> str:
         """sha256 of the serialised tokenizer; datasets record it to detect a tokenizer swap."""
         return hashlib.sha256(self.hf.to_str().encode("utf-8")).hexdigest()

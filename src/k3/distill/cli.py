@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_dir, output_file
+from k3.cli_checks import at_least, output_dir, output_file, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
@@ -578,7 +578,7 @@ def register(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="checkpoint every N steps of a stage, for --resume after a stop (default 0: at the end)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--resume", action="store_true", help="continue partially trained stages")
     p.add_argument("--overwrite", action="store_true", help="retrain every stage from scratch")
@@ -614,7 +614,7 @@ def register(sub) -> None:
     p.add_argument("--eval-n", type=int, default=8, help="evaluation problems per cell per evaluation (0: none)")
     p.add_argument("--eval-seed", type=int, default=0)
     p.add_argument("--ckpt-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint (exactly)")
     p.add_argument("--overwrite", action="store_true")
@@ -628,7 +628,7 @@ def register(sub) -> None:
     p.add_argument("--no-base", action="store_true", help="do not score the teachers' shared base")
     p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
     p.add_argument("--n", type=int, default=32, help="evaluation problems per cell (default 32)")
-    p.add_argument("--seed", type=int, default=1, help="evaluation problem seed (default 1; training evals use 0)")
+    p.add_argument("--seed", type=seed_type, default=1, help="evaluation problem seed (default 1; training evals use 0)")
     p.add_argument("--max-answer-tokens", type=int, default=40)
     p.add_argument("--out", default=None, help="write the report JSON here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
@@ -652,5 +652,5 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--max-answer-tokens", type=int, default=40)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.set_defaults(func=cmd_generate)

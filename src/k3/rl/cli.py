@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_file
+from k3.cli_checks import at_least, output_file, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
@@ -440,7 +440,7 @@ def _common(p, steps: int, lr: float, ckpt_every: int) -> None:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="0: only at the end")
     p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--workers", type=int, default=4, help="parallel sandboxes when collecting demonstrations")
     p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -457,7 +457,7 @@ def register(subparsers) -> None:
                    help="bounded end-to-end run: warm start, GRPO with swapped dialects, held-out eval, plot")
     p.add_argument("--root", default=None, help="experiment directory for --demo (default runs/rl/demo)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("--json", action="store_true", help=_JSON_HELP)
     sub = p.add_subparsers(dest="rl_command", metavar="SUBCOMMAND")
@@ -520,7 +520,7 @@ def register(subparsers) -> None:
     e.add_argument("--variants", type=int, default=2, help="harness variants per task")
     e.add_argument("--max-tokens", type=int, default=96)
     e.add_argument("--max-turns", type=int, default=None, help="turns per episode (default: the task's limit)")
-    e.add_argument("--seed", type=int, default=1)
+    e.add_argument("--seed", type=seed_type, default=1)
     e.add_argument("--threads", type=int, default=0)
     e.add_argument("--out", default=None, help="report path (default ROOT/eval.json)")
     e.add_argument("--json", action="store_true", help=_JSON_HELP)
@@ -532,7 +532,7 @@ def register(subparsers) -> None:
     it.add_argument("--models", default="warmstart", help="comma-separated stages/runs under ROOT")
     it.add_argument("--n", type=int, default=48, help="demonstrations (drawn from ROOT/demos.jsonl)")
     it.add_argument("--dialect", default=None, help="only demonstrations in this dialect (e.g. react)")
-    it.add_argument("--seed", type=int, default=0)
+    it.add_argument("--seed", type=seed_type, default=0)
     it.add_argument("--threads", type=int, default=0)
     it.add_argument("--out", default=None, help="report path (default ROOT/intent.json)")
     it.add_argument("--json", action="store_true", help=_JSON_HELP)

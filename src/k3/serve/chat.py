@@ -42,6 +42,7 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 
 def _text(content, where: str) -> str:
+    """The text of a message field (`where` names it: messages[i].content): a string or a list of text parts."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -50,11 +51,11 @@ def _text(content, where: str) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatFormatError(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}; this model "
+                raise ChatFormatError(f"{where}[{j}] must be {{'type': 'text', 'text': str}}; this model "
                                       "reads text only")
             parts.append(part["text"])
         return "".join(parts)
-    raise ChatFormatError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+    raise ChatFormatError(f"{where} must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _tool_call_json(call, where: str) -> str:
@@ -77,6 +78,13 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
         raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ChatFormatError("tools must be a list of {'type': 'function', 'function': {...}}", "tools")
+    for i, t in enumerate(tools or []):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not fn["name"] or not isinstance(fn.get("parameters", {}), dict):
+            raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
+                                  "'description': str, 'parameters': {...}}}}} (a non-empty name; parameters "
+                                  "a JSON Schema object)", "tools")
     if reasoning_effort is not None and reasoning_effort not in EFFORTS:
         raise ChatFormatError(f"reasoning_effort = {reasoning_effort!r} must be one of {', '.join(EFFORTS)}",
                               "reasoning_effort")
@@ -104,7 +112,7 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
     for i, m in enumerate(messages):
         where, role = f"messages[{i}]", m["role"]
         if role in ("system", "developer"):
-            body = _text(m.get("content"), where)
+            body = _text(m.get("content"), f"{where}.content")
             if tools_text:  # the tool list goes with the first system message
                 body = f"{body}\n\n{tools_text}" if body else tools_text
                 tools_text = ""
@@ -114,15 +122,15 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
             if m.get("content") is None:
                 raise ChatFormatError(f"{where}.content is missing")
             ids.append(sid("user"))
-            text(_text(m["content"], where))
+            text(_text(m["content"], f"{where}.content"))
         elif role == "assistant":
             ids.append(sid("assistant"))
             reasoning = m.get("reasoning_content")
             if reasoning:
                 ids.append(sid(THINK))
-                text(_text(reasoning, where))
+                text(_text(reasoning, f"{where}.reasoning_content"))
                 ids.append(sid(END_THINK))
-            text(_text(m.get("content"), where))
+            text(_text(m.get("content"), f"{where}.content"))
             calls = m.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise ChatFormatError(f"{where}.tool_calls must be a list")
@@ -135,7 +143,7 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
                 raise ChatFormatError(f"{where}.content (the tool's output) is missing")
             ids.append(sid("tool"))
             ids.append(sid("tool_result"))
-            text(_text(m["content"], where))
+            text(_text(m["content"], f"{where}.content"))
             ids.append(sid("/tool_result"))
         ids.append(sid("end"))
     if add_generation_prompt:

@@ -132,6 +132,8 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and integers past Python's digit limit
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:  # "[[[[..." thousands deep: the parser's recursion limit
+        raise bad("the request body nests JSON arrays or objects too deeply to read", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
     return body
@@ -346,7 +348,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         _check_keys(body, COMPLETION_KEYS)
         check_model(body)
         check_worker()
-        prompts = _completion_prompts(body.get("prompt", None), tok)
+        prompts = _completion_prompts(body.get("prompt", None), tok, engine.max_context)
         n = _integer(body, "n", 1, 1, MAX_N)
         best_of = _integer(body, "best_of", None, 1)
         if best_of is not None and best_of != n:
@@ -439,6 +441,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         # parser drops every other special token), so skip_special_tokens has nothing left to do here
         base = dataclasses.replace(base, stop_token_ids=tuple(sorted(set(base.stop_token_ids) | set(chat_stops))),
                                    skip_special_tokens=False)
+        _check_text_fits(_content_bytes(body.get("messages")), tok, engine.max_context, "messages")
         try:
             ids = render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
         except ChatFormatError as e:
@@ -503,13 +506,36 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
     return app
 
 
-def _completion_prompts(prompt, tok) -> list[list[int]]:
+def _check_text_fits(nbytes: int, tok, max_context: int, param: str) -> None:
+    """Text of `nbytes` bytes is at least nbytes / tok.max_token_bytes tokens: one that cannot leave room to generate
+    is refused before it is tokenized (megabytes take seconds on the event loop, stalling every other request)."""
+    least = -(-nbytes // tok.max_token_bytes)
+    if least >= max_context:
+        raise bad(f"this model's maximum context length is {max_context} tokens, but the {param} holds {nbytes:,} "
+                  f"bytes of text, at least {least:,} tokens; shorten it", param, "context_length_exceeded")
+
+
+def _content_bytes(messages) -> int:
+    """UTF-8 bytes of the messages' content strings (part of what render() tokenizes, so a lower bound)."""
+    n = 0
+    for m in messages if isinstance(messages, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                n += len(text.encode("utf-8", "surrogatepass"))
+    return n
+
+
+def _completion_prompts(prompt, tok, max_context: int) -> list[list[int]]:
     """OpenAI's four prompt forms: str, [str], [int], [[int]]. An empty prompt starts a new document."""
     def ids_of(text: str) -> list[int]:
         try:
-            text.encode("utf-8")
+            n = len(text.encode("utf-8"))
         except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): not text the tokenizer can take
             raise bad(f"prompt is not valid Unicode text ({e.reason} at position {e.start})", "prompt") from None
+        _check_text_fits(n, tok, max_context, "prompt")
         return tok.encode(text) if text else [tok.eos_id]
 
     if prompt is None:

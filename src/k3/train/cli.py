@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from k3.cli_checks import seed as seed_type
 from k3.data.cli import parse_bytes
 from k3.model.cli import add_config_args, config_from_args
 
@@ -419,7 +420,7 @@ def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="adamw, or muon = MuonClip (Muon on matrices + AdamW on the rest + QK-Clip)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init and the data order (default 0)")
+    p.add_argument("--seed", type=seed_type, default=0, help="seed for init and the data order (default 0)")
     p.add_argument("--warmup-steps", type=int, default=None, help=f"LR warmup steps (default {warmup})")
     p.add_argument("--eval-batches", type=int, default=eval_batches,
                    help=f"validation batches per evaluation (default {eval_batches})")
@@ -474,7 +475,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--keep-special", action="store_true",
                    help="print the special tokens the model writes (<|end|>, <|tool_call|>, ...); by default they "

@@ -797,8 +797,17 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     if trained and trained != tokenizer.fingerprint:
         raise ValueError(f"tokenizer {tok_path} is not the one the model's training data was tokenized with "
                          f"(fingerprint {tokenizer.fingerprint[:12]}..., trained with {trained[:12]}...); pass "
-                         "that tokenizer.json")
+                         "that tokenizer.json" + (f" (the checkpoint names {data['tokenizer']})" if data.get("tokenizer")
+                                                  and str(data["tokenizer"]) != str(tok_path) else ""))
     return tokenizer
+
+
+def _hf_export_type(path: Path) -> str | None:
+    """config.json's model_type when `path` holds an HF transformers directory (k3's is "k3")."""
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cpu"):
@@ -815,6 +824,10 @@ def load_trained_model(path: str | os.PathLike, device: str | torch.device = "cp
         meta = pckpt.load_model_weights(path, model)
         return model.to(device).eval(), pckpt.as_manifest(meta)
     found = path if (path / ckpt.MANIFEST).is_file() else ckpt.latest_checkpoint(path)
+    if found is None and _hf_export_type(path) == "k3":
+        raise ValueError(f"{path} is a Hugging Face transformers export (k3 export --format hf): load it with "
+                         "transformers (import k3.serve.hf, then AutoModelForCausalLM.from_pretrained; docs/serving.md). "
+                         "k3 eval, sample and serve read the k3 checkpoint it was exported from")
     if found is None:
         inner = path / "checkpoint"
         hint = (f"; {inner} holds one: pass that" if _holds_distributed_checkpoint(inner)
