@@ -119,7 +119,7 @@ class K3Config:
     # ------------------------------------------------------------------ validation
     def validate(self) -> "K3Config":
         def bad(name: str, why: str, fix: str) -> None:
-            label = self.name if isinstance(self.name, str) and self.name else "config"
+            label = self.name if isinstance(self.name, str) and self.name.strip() else "config"
             raise K3ConfigError(f"{label}: {name} = {getattr(self, name, None)!r} {why}; {fix}")
 
         for f in fields(self):

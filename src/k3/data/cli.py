@@ -49,8 +49,9 @@ def register(sub) -> None:
                        description="Train the tokenizer on the train split and write tokenizer.json, "
                                    "train.bin/val.bin with JSON manifests, and data.json into --out.")
     p.add_argument("--data", metavar="SPEC", default=None,
-                   help="a directory (recursive .txt/.md/.py/.jsonl), a quoted glob, a text file or a .jsonl file "
-                        "with a 'text' field per line (default: the Python standard library sources)")
+                   help="a directory (recursive .txt/.md/.py/.jsonl), a quoted glob, or a .jsonl file with a 'text' "
+                        "field per line; a single text file is one document, too few to split into train and "
+                        "validation (default: the Python standard library sources)")
     p.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary size (default 8192)")
     p.add_argument("--out", default="runs/data", help="output directory (default runs/data)")
     p.add_argument("--max-bytes", type=parse_bytes, default=None,

@@ -479,5 +479,7 @@ def _not_empty(documents: Iterable[Document], description: str, excluded: list[d
         yield doc
     if n == 0 and excluded:
         raise ValueError(f"every validation document of {description} is at least {threshold:.0%} lines of the "
-                         f"training split ({len(excluded)} left out); raise --decontaminate (1 keeps all but exact "
-                         "copies, 0 keeps everything) or give more distinct text")
+                         f"training split ({len(excluded)} left out); "
+                         + ("raise --decontaminate (1 keeps all but exact copies, 0 keeps everything)" if threshold < 1
+                            else "--decontaminate 0 keeps every document")
+                         + " or give more distinct text")

@@ -306,7 +306,7 @@ def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *
     got = tok.vocab_size
     if got < vocab_size:
         msg = (f"the training text ({n_bytes:,} bytes) supports only {got} tokens, fewer than vocab_size = "
-               f"{vocab_size}: lower --vocab-size to {got} or less, or give more text (--data / --max-bytes)")
+               f"{vocab_size}: lower --vocab-size to {got} or less, or give more text (--data, --max-bytes, --tokenizer-max-bytes)")
         if not allow_short:
             raise ValueError(msg)
         log.warning("%s; keeping %d tokens", msg, got)

@@ -147,7 +147,7 @@ class GatedMLA(nn.Module):
         return gamma
 
     def _check(self, x: torch.Tensor, cache: MLACache | None) -> None:
-        want = f"[B, T, d_model] = [B, T, {self.d_model}] with dtype {self.wo.weight.dtype}"
+        want = f"[B, T, d_model] = [B, T, {self.d_model}]"
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model \
                 or x.shape[0] == 0 or x.shape[1] == 0:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
