@@ -435,3 +435,34 @@ def test_a_request_between_prefill_and_batch_still_counts_as_in_flight(tiny_mode
         eng.step()
     assert all(r.finish_reason == "length" for r in reqs)
     assert len(seen) == 6 and seen[:4] == [2, 2, 2, 2], seen  # both count at every token until the last step
+
+
+def test_a_reply_that_spells_a_marker_in_ordinary_characters_keeps_it_as_text(tiny_model, serve_tokenizer,
+                                                                             monkeypatch):
+    """Only tokens the model wrote as special tokens split a chat reply: the same characters written as ordinary
+    text ("<|end|>", "<|think|>" in a reply about this template) stay content (they were deleted or read as
+    reasoning). Driven through the engine, whose marker spans the server hands to the parser."""
+    import k3.serve.engine as engine_mod
+
+    tok = serve_tokenizer
+    sid = tok.special_id
+    plain = lambda s: tok.encode(s, allow_special=False)  # noqa: E731
+    script = ([sid("think")] + plain("plan") + [sid("/think")] + plain("Turns end with <|end|>; <|think|>x")
+              + [sid("tool_call")] + plain('{"name": "f", "arguments": {}}') + [sid("/tool_call")] + [tok.eos_id])
+    it = iter(script)
+    monkeypatch.setattr(engine_mod, "sample_row", lambda *a, **k: next(it))
+    params = SamplingParams(max_tokens=len(script), temperature=0, skip_special_tokens=False)
+    events = []
+    eng = Engine(tiny_model, tok, max_batch=1)
+    r = eng.submit([20, 21], params, events.append)
+    while r.finish_reason is None:
+        eng.step()
+    assert "<|end|>" in r.text and len(r._markers) == 4
+    content, reasoning, calls = parse_reply(r.text, r._markers)
+    assert (content, reasoning, [c.name for c in calls]) == ("Turns end with <|end|>; <|think|>x", "plan", ["f"])
+    assert parse_reply(r.text)[0] == "Turns end with ; "  # text alone cannot tell them apart
+    p, got = ChatOutputParser(r._markers), {"content": "", "reasoning": "", "tool_call": []}
+    for i, ev in enumerate(events):
+        for kind, v in p.feed(ev.text, final=ev.finish_reason is not None):
+            got[kind] += [v.name] if kind == "tool_call" else v
+    assert (got["content"], got["reasoning"], got["tool_call"]) == (content, reasoning, ["f"])

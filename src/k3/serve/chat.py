@@ -213,37 +213,50 @@ class ToolCall:
 class ChatOutputParser:
     """Incremental split of the reply text into ('content' | 'reasoning', str) and ('tool_call', ToolCall).
 
-    Feed text deltas as they stream; markers split across deltas are held back until they are whole.
+    Feed text deltas as they stream. `markers`: the spans [start, end) of the text that the model wrote as special
+    tokens (the engine's `Request._markers`, which grows as the reply does); only those act as markers, so a reply
+    that spells "<|end|>" or "<|think|>" in ordinary characters keeps them as text. Without it (text of unknown
+    origin), every marker spelling counts, and one split across deltas is held back until it is whole.
     Special tokens other than the think / tool-call markers carry no text and are dropped.
     """
 
-    def __init__(self):
+    def __init__(self, markers: list[tuple[int, int]] | None = None):
         self.mode = "content"  # content | reasoning | tool
         self.buf = ""
+        self.pos = 0  # offset of buf[0] in the whole reply (the coordinates of `markers`)
+        self.markers = markers
         self.tool_buf = ""
         self.tool_calls: list[ToolCall] = []
+
+    def _consume(self, n: int, out: list) -> None:
+        self._text(self.buf[:n], out)
+        self.buf, self.pos = self.buf[n:], self.pos + n
 
     def feed(self, delta: str, final: bool = False) -> list[tuple[str, object]]:
         self.buf += delta
         out: list[tuple[str, object]] = []
+        known = self.markers is not None
         while True:
             i = self.buf.find("<|")
             if i < 0:
-                keep = 1 if self.buf.endswith("<") and not final else 0  # "<" may start a marker
-                self._text(self.buf[:len(self.buf) - keep], out)
-                self.buf = self.buf[len(self.buf) - keep:]
+                keep = 1 if self.buf.endswith("<") and not final and not known else 0  # "<" may start a marker
+                self._consume(len(self.buf) - keep, out)
                 break
-            self._text(self.buf[:i], out)
-            self.buf = self.buf[i:]
+            self._consume(i, out)
             marker = next((t for t in SPECIAL_TOKENS if self.buf.startswith(t)), None)
-            if marker is not None:
-                self.buf = self.buf[len(marker):]
+            if known:  # the engine says which spans are special tokens
+                if marker is not None and (self.pos, self.pos + len(marker)) in self.markers:
+                    self.buf, self.pos = self.buf[len(marker):], self.pos + len(marker)
+                    self._marker(marker, out)
+                else:
+                    self._consume(2, out)
+            elif marker is not None:
+                self.buf, self.pos = self.buf[len(marker):], self.pos + len(marker)
                 self._marker(marker, out)
             elif not final and any(t.startswith(self.buf) for t in SPECIAL_TOKENS):
                 break  # maybe the start of a marker: wait for more text
             else:
-                self._text("<|", out)
-                self.buf = self.buf[2:]
+                self._consume(2, out)
         if final:
             if self.mode == "tool":  # an unterminated call: give the text back rather than lose it
                 self._text_as(TOOL_CALL + self.tool_buf, "content", out)
@@ -300,9 +313,9 @@ def _coalesce(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
-def parse_reply(text: str) -> tuple[str, str, list[ToolCall]]:
-    """(content, reasoning, tool calls) of a whole reply."""
-    p = ChatOutputParser()
+def parse_reply(text: str, markers: list[tuple[int, int]] | None = None) -> tuple[str, str, list[ToolCall]]:
+    """(content, reasoning, tool calls) of a whole reply; `markers` as for ChatOutputParser."""
+    p = ChatOutputParser(markers)
     content, reasoning = [], []
     for kind, v in p.feed(text, final=True):
         (content if kind == "content" else reasoning if kind == "reasoning" else []).append(v)

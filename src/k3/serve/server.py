@@ -464,7 +464,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
         if stream:
             async def chunks():
-                parsers = [ChatOutputParser() for _ in reqs]
+                parsers = [ChatOutputParser(r._markers) for r in reqs]
                 for i in range(len(reqs)):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 async for index, ev in events.stream(len(reqs)):
@@ -491,7 +491,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         _raise_failed(reqs)
         choices = []
         for i, r in enumerate(reqs):
-            content, reasoning, calls = parse_reply(r.text)
+            content, reasoning, calls = parse_reply(r.text, r._markers)
             # as OpenAI: content is null beside tool calls that came without text
             msg = {"role": "assistant", "content": (content or None) if calls else content}
             if reasoning:
