@@ -46,6 +46,10 @@ def test_uncorrelated_inputs_give_round_to_nearest_bitwise(fmt):
     """With H = I, U is diagonal and no column is moved: GPTQ is round-to-nearest, bit for bit."""
     W = _weight(48, 96) * torch.logspace(-3, 1, 96)  # blocks of very different magnitudes
     assert torch.equal(gptq_mx(W, torch.eye(96), fmt), fake_quantize_mx(W, fmt))
+    # blocks so small that their scale code is 0 (the quantizer divides by 2^-126 there, as torchao does, and
+    # multiplies by 2^-127: such a block is not even a fixed point of the quantizer itself)
+    tiny = _weight(8, 64) * torch.tensor([1e-39] * 32 + [1e-36] * 32)
+    assert torch.equal(gptq_mx(tiny, torch.eye(64), fmt), fake_quantize_mx(tiny, fmt))
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])

@@ -14,7 +14,8 @@ MXFP4 codes are two E2M1 codes per byte, the even element in the low nibble (`k3
 `qat.expert_weights = mxfp8` the codes are E4M3 bytes [..., n]. Every other tensor is stored as the
 checkpoint had it (float32 from CPU training). Loading rebuilds the model from the manifest's config with
 `PackedRoutedExperts`, which dequantizes the codes on each forward; the values equal the fake-quant model's
-weights bit for bit, so its logits equal those of the QAT (or PTQ) model built from the same config.
+weights bit for bit, so its logits equal those of the QAT (or PTQ) model built from the same config (in fp32;
+cast to bf16, the fake-quant model quantizes the bf16-rounded weights and the packed one rounds the fp32 values).
 """
 from __future__ import annotations
 

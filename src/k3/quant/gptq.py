@@ -38,9 +38,11 @@ BLOCK = 32
 def round_to_scale(w: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """Round w [rows] to the MX element grid of `fmt` at the given per-row power-of-two scale [rows]: nearest,
     ties to even, saturating at +-max_normal * scale. The element rounding is the quantizer's own
-    (`_e2m1_magnitude` for E2M1, torch's float8_e4m3fn cast for E4M3); dividing by a power of two is exact."""
+    (`_e2m1_magnitude` for E2M1, torch's float8_e4m3fn cast for E4M3); dividing by a power of two is exact. As
+    the quantizer (and torchao), it divides by the scale clamped to 2^-126 and multiplies by the scale itself, which
+    differ only for the scale code 0 (blocks below 2^-124)."""
     f = MX_FORMATS[fmt]
-    y = (w.float() / scale).clamp_(-f.max_normal, f.max_normal)
+    y = (w.float() / scale.clamp_min(2.0 ** -126)).clamp_(-f.max_normal, f.max_normal)
     if f.name == "mxfp8":
         q = y.to(torch.float8_e4m3fn).float()
     else:
