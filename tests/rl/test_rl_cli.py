@@ -105,7 +105,7 @@ def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
         (train + ["--resume", "--overwrite"], "give one"),
         (train + ["--name", "/abs"], "--name '/abs' must be a plain directory name under --root"),
         (train + ["--name", "../escape"], "--name '../escape' must be a plain directory name"),
-        (train + ["--name", ""], "--name '' must be a plain directory name"),
+        (train + ["--name", ""], "--name is empty (an unset shell variable?)"),
         (train + ["--name", ".."], "--name '..' must be a plain directory name"),
         (train + ["--init", "../warmstart"], "--init '../warmstart' must be a plain directory name"),
         (train + ["--init", "g1", "--name", "g1"], "--init g1 and --name g1 are the same run"),
@@ -164,9 +164,9 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
     ev = ["rl", "eval", "--root", str(root)]
     it = ["rl", "intent", "--root", str(root)]
     cases = [
-        (ev + ["--models", ""], "--models '' names nothing"),
+        (ev + ["--models", ""], "--models is empty"),
         (ev + ["--models", " , "], "--models ' , ' names nothing"),
-        (ev + ["--harness", ""], "--harness '' names nothing"),
+        (ev + ["--harness", ""], "--harness is empty"),
         (ev + ["--harness", "bogus"], "unknown harness 'bogus'"),
         (ev + ["--variants", "0"], "--variants 0 must be a positive integer"),
         (ev + ["--n-per-kind", "0"], "--n-per-kind 0 must be a positive integer"),
@@ -174,7 +174,7 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
         (ev + ["--models", "warmstart,typo"], "no checkpoint for warmstart, typo under"),
         (it + ["--n", "-1"], "--n -1 must be a positive integer"),
         (it + ["--n", "0"], "--n 0 must be a positive integer"),
-        (it + ["--models", ""], "--models '' names nothing"),
+        (it + ["--models", ""], "--models is empty"),
         (it + ["--out", str(root / "adir")], "is a directory; give a file path"),
         # the experiment's own files, or a file that is not an earlier report, are never replaced by a report
         (it + ["--out", str(root / "demos.jsonl")], "is one of the experiment's own files"),
