@@ -84,3 +84,22 @@ def test_a_seed_torch_cannot_take_is_refused_naming_the_flag(argv, capsys):
             main(argv + ["--seed", bad])
         assert e.value.code == 2
         assert f"argument --seed: {bad} is outside [0, 2^62)" in capsys.readouterr().err
+
+
+def test_output_checks(tmp_path):
+    """A directory that holds a subfolder named x is a fine output directory (the parents check once looked at
+    DIR/x and called it 'a directory; give a file path')."""
+    from k3.cli_checks import output_dir, output_file
+
+    (tmp_path / "run" / "x").mkdir(parents=True)
+    output_dir("--out", tmp_path / "run")
+    output_dir("--out", tmp_path / "new" / "deeper")
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(ValueError, match="is a file; give a directory"):
+        output_dir("--out", tmp_path / "afile")
+    with pytest.raises(ValueError, match="afile is a file, not a directory"):
+        output_dir("--out", tmp_path / "afile" / "sub")
+    with pytest.raises(ValueError, match="is a directory; give a file path"):
+        output_file("--out", tmp_path / "run")
+    with pytest.raises(ValueError, match="afile is a file, not a directory"):
+        output_file("--out", tmp_path / "afile" / "x.json")

@@ -13,6 +13,15 @@ def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
             raise ValueError(f"{flag} {v} must be " + ("a positive integer" if low == 1 else f"an integer >= {low}"))
 
 
+def _parents_are_dirs(flag: str, path: Path) -> None:
+    """The nearest existing parent of `path` is a directory (not a file that the path would have to go under)."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; give another path")
+            break
+
+
 def output_file(flag: str, path, example: str | None = None) -> None:
     """An output file path (None: not given) that can be written: not a directory, not under a file."""
     if path is None:
@@ -21,11 +30,7 @@ def output_file(flag: str, path, example: str | None = None) -> None:
     if p.is_dir():
         hint = f" such as {p / example}" if example else ""
         raise ValueError(f"{flag} {path} is a directory; give a file path{hint}")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{flag} {path}: {parent} is a file, not a directory; give another path")
-            break
+    _parents_are_dirs(flag, p)
 
 
 def output_dir(flag: str, path) -> None:
@@ -35,7 +40,7 @@ def output_dir(flag: str, path) -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path} is a file; give a directory")
-    output_file(flag, p / "x")  # the parents
+    _parents_are_dirs(flag, p)
 
 
 MAX_SEED = 2 ** 62  # room for the offsets added to a seed (seed + step, seed + sample index) below torch's 2^64
