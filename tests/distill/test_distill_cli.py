@@ -318,6 +318,12 @@ def test_distill_errors_name_the_distill_fix(tmp_path, capsys, trained_teachers,
     assert main([*mopd[:5], str(t), *mopd[6:]]) == 2  # --out the matrix itself
     assert "is a teacher matrix (it holds teachers.json)" in capsys.readouterr().err
     assert sorted(p.name for p in t.iterdir()) == before
+    base = sorted(p.name for p in (t / "base").rglob("*"))
+    for inside in ("base", "arith-low"):  # the shared base (replaced with --overwrite, as the error then said)
+        for extra in ([], ["--overwrite"]):
+            assert main([*mopd[:5], str(t / inside), *mopd[6:], *extra]) == 2
+            assert "is inside the teacher matrix" in capsys.readouterr().err
+    assert sorted(p.name for p in (t / "base").rglob("*")) == base  # not even teacher_eval.json was written
     shutil.rmtree(t / "arith-low")
     assert main(mopd) == 2
     err = capsys.readouterr().err

@@ -365,6 +365,11 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     if (Path(args.out) / "teachers.json").exists():  # the run's checkpoint and metrics would land in the matrix
         raise ValueError(f"--out {args.out} is a teacher matrix (it holds teachers.json); give the distillation run "
                          "an --out of its own")
+    out_abs, teachers_abs = Path(args.out).resolve(), Path(args.teachers).resolve()
+    if out_abs == teachers_abs or teachers_abs in out_abs.parents:  # its base or a teacher: replaced by the student
+        raise ValueError(f"--out {args.out} is inside the teacher matrix {args.teachers} (its shared base or a "
+                         "teacher, which the student's checkpoint would replace); give the distillation run an --out "
+                         "of its own")
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
