@@ -159,7 +159,8 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
     root = tmp_path / "exp"
     root.mkdir()
     train_tokenizer(["a b c d e f"] * 50, 300, path=root / "tokenizer.json", allow_short=True)
-    (root / "eval.json").write_text('{"models": {}, "kept": true}')  # an earlier report
+    (root / "eval.json").write_text('{"models": {}, "kept": true, "harnesses": []}')  # an earlier eval report
+    (root / "intent.json").write_text('{"models": {}, "dialect": null}')  # and an intent report
     (root / "adir").mkdir()
     ev = ["rl", "eval", "--root", str(root)]
     it = ["rl", "intent", "--root", str(root)]
@@ -180,13 +181,16 @@ def test_rl_eval_intent_and_plot_refuse_bad_input(tmp_path, capsys):
         (it + ["--out", str(root / "demos.jsonl")], "is one of the experiment's own files"),
         (ev + ["--out", str(root / "tokenizer.json")], "is one of the experiment's own files"),
         (ev + ["--out", str(root / "mine.json")], "exists and is not an earlier k3 rl report"),
+        # nor is one command's report replaced by the other's (`k3 rl plot` reads the eval report)
+        (it + ["--out", str(root / "eval.json")], "holds a `k3 rl eval` report; this `k3 rl intent` report"),
+        (ev + ["--out", str(root / "intent.json")], "holds a `k3 rl intent` report; this `k3 rl eval` report"),
     ]
     (root / "mine.json").write_text('{"mine": 1}')
     for argv, says in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, (argv, err)
-    assert (root / "eval.json").read_text() == '{"models": {}, "kept": true}'
+    assert (root / "eval.json").read_text() == '{"models": {}, "kept": true, "harnesses": []}'
     assert (root / "mine.json").read_text() == '{"mine": 1}'
 
     # a run that holds a checkpoint: continued or replaced, and the flag that picks another is --name

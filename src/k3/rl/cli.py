@@ -179,9 +179,14 @@ _FOREIGN = {"teachers.json": "a `k3 distill teachers` matrix", "data.json": "a `
             "summary.json": "a `k3 demo` or ablation run"}
 
 
-def _check_report_out(root: Path, out: Path) -> None:
+def _report_kind(report: dict) -> str:
+    """"eval" or "intent": which command wrote a report (an eval report lists its harnesses)."""
+    return "eval" if "harnesses" in report else "intent"
+
+
+def _check_report_out(root: Path, out: Path, kind: str) -> None:
     """A report's --out: a file path, not one of the experiment's own files (demonstrations, tokenizer), and, when
-    it exists, an earlier report (a JSON object with "models") that may be replaced."""
+    it exists, an earlier report of the same command (`k3 rl eval` or `k3 rl intent`) that may be replaced."""
     import json
 
     from k3.data.tokenizer import SETTINGS_FILE
@@ -198,6 +203,9 @@ def _check_report_out(root: Path, out: Path) -> None:
         if not isinstance(earlier, dict) or "models" not in earlier:
             raise ValueError(f"--out {out} exists and is not an earlier k3 rl report; the report would replace it: "
                              "give another path")
+        if _report_kind(earlier) != kind:
+            raise ValueError(f"--out {out} holds a `k3 rl {_report_kind(earlier)}` report; this `k3 rl {kind}` report "
+                             "would replace it: give another path")
 
 
 def _check_root(root: Path) -> None:
@@ -309,7 +317,7 @@ def cmd_eval(args) -> dict:
     at_least(args, 1, "--n-per-kind", "--variants", "--max-tokens")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "eval.json"
-    _check_report_out(root, out)
+    _check_report_out(root, out, "eval")
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)
@@ -344,7 +352,7 @@ def cmd_intent(args) -> dict:
     at_least(args, 1, "--n")
     root = Path(args.root)
     out = Path(args.out) if args.out else root / "intent.json"
-    _check_report_out(root, out)
+    _check_report_out(root, out, "intent")
     set_threads(args.threads)
     tok = _tokenizer(root)
     _check_models(root, names)

@@ -34,7 +34,7 @@ def _drawable(e) -> bool:
 def read_eval_report(path: str | os.PathLike) -> dict:
     """A `k3 rl eval` report (ROOT/eval.json), checked to hold what the success panel draws."""
     path = Path(path)
-    fix = f"write it with `k3 rl eval --out {path}`"
+    fix = "`k3 rl eval` writes one (ROOT/eval.json, or its --out): pass that as --eval"
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
