@@ -127,3 +127,50 @@ def test_every_task_discriminates(sandbox):
            if r["reward"] != 1.0]
     assert not bad, bad
     assert {r["dialect"] for r in recs} == {"kimi", "claude", "codex", "react"}
+
+
+def _rehash_hidden(root):
+    from k3.agentenv.tasks import sha256_bytes
+
+    def fn(m):
+        for rel, meta in m["hidden"].items():
+            meta["sha256"] = sha256_bytes((root / rel).read_bytes())
+    _rewrite_manifest(root, fn)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda r: (r / "task.json").write_text("[]"), r"task.json: task.json must be a JSON object, got list"),
+    (lambda r: (r / "task.json").write_bytes(b"\xff{}"), r"task.json: task.json is not readable JSON"),
+    (lambda r: _rewrite_manifest(r, lambda m: m.update(workspace=[])), r"workspace must be an object"),
+    (lambda r: _rewrite_manifest(r, lambda m: m.update(verifier=None)), r"verifier must be an object"),
+    (lambda r: _rewrite_manifest(r, lambda m: m.update(limits=[])), r"limits must be an object"),
+    (lambda r: _rewrite_manifest(r, lambda m: m.update(limits={"max_steps": "abc"})), r"limits.max_steps must be"),
+    (lambda r: _rewrite_manifest(r, lambda m: m.update(limits={"max_steps": -3})), r"limits.max_steps must be"),
+    (lambda r: _rewrite_manifest(r, lambda m: next(iter(m["workspace"]["files"].values())).update(mode="rw")),
+     r"workspace.files\[.*\].mode must be an integer"),
+    (lambda r: ((r / "hidden/checks.json").write_text("[1, 2]"), _rehash_hidden(r)),
+     r"hidden/checks.json must be a JSON object, got list"),
+    (lambda r: ((r / "hidden/checks.json").write_text('{"checks": \n'), _rehash_hidden(r)),
+     r"hidden/checks.json is not readable JSON"),
+    (lambda r: ((r / "hidden/checks.json").write_text('{"checks": [1]}'), _rehash_hidden(r)),
+     r"must be an object with a non-empty string id, got 1"),
+    (lambda r: ((r / "hidden/solution.json").write_text("[]"), _rehash_hidden(r)),
+     r"hidden/solution.json must be a JSON object"),
+])
+def test_malformed_task_files_name_the_file_and_field(tmp_path, damage, message):
+    """A custom task with a list where an object belongs, bad JSON or a non-integer limit: a ValueError naming the
+    file and field (there were AttributeError tracebacks, bare JSON messages and errors only at run time)."""
+    root = _copy("pyfix-median", tmp_path)
+    damage(root)
+    with pytest.raises(ValueError, match=message):
+        load_task(root)
+
+
+def test_a_shape_no_check_foresees_still_names_the_task(tmp_path, monkeypatch):
+    import k3.agentenv.tasks as tasks_mod
+
+    root = _copy("pyfix-median", tmp_path)
+    monkeypatch.setattr(tasks_mod, "_check_shapes", lambda *a: None)
+    _rewrite_manifest(root, lambda m: m.update(verifier=[]))
+    with pytest.raises(ValueError, match=r"pyfix-median: the task's files are malformed \(AttributeError"):
+        load_task(root)

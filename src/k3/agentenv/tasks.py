@@ -139,9 +139,10 @@ def _listing(base: Path) -> set[str]:
 
 
 def _validate_check(task_id: str, c: dict) -> None:
-    where = f"task {task_id}: check {c.get('id', '?')!r}"
     if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not c["id"]:
-        raise ValueError(f"task {task_id}: every check needs a non-empty string id")
+        raise ValueError(f"task {task_id}: every check in hidden/checks.json must be an object with a non-empty "
+                         f"string id, got {c!r:.80}")
+    where = f"task {task_id}: check {c['id']!r}"
     kind = c.get("kind")
     if kind not in CHECK_KINDS:
         raise ValueError(f"{where}: unknown kind {kind!r}; known kinds: {sorted(CHECK_KINDS)}")
@@ -175,23 +176,66 @@ def _validate_action(task_id: str, a) -> None:
                          f"{ACTION_TOOLS}: {a!r}")
 
 
+def _json_object(path: Path, what: str) -> dict:
+    """The JSON object in `path`; a file that cannot be read, is not JSON or holds another value is named."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: {what} is not readable JSON ({e}); fix it or regenerate the task") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_shapes(mpath: Path, m: dict) -> None:
+    """task.json's nested fields have the types the loader and the runner read (a list where an object belongs
+    was an AttributeError traceback; a non-integer max_steps or file mode failed only when the task ran)."""
+    def need(ok: bool, field: str, want: str) -> None:
+        if not ok:
+            raise ValueError(f"{mpath}: {field} must be {want}; compare with a shipped task (docs/agentenv.md)")
+
+    ws = m["workspace"]
+    need(isinstance(ws, dict), "workspace", "an object with 'files' (and optionally 'generate')")
+    for key in ("files", "generate"):
+        entries = ws.get(key, {})
+        need(isinstance(entries, dict) and all(isinstance(v, dict) for v in entries.values()),
+             f"workspace.{key}", "an object of path -> object")
+    for rel, meta in ws.get("files", {}).items():
+        mode = meta.get("mode", 0o644)
+        need(isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 0o7777,
+             f"workspace.files[{rel!r}].mode", "an integer file mode such as 420 (0o644)")
+    need(isinstance(m["hidden"], dict) and all(isinstance(v, dict) for v in m["hidden"].values()), "hidden",
+         "an object of path -> {'sha256': ...}")
+    need(isinstance(m["verifier"], dict), "verifier", "an object with 'checks'")
+    limits = m.get("limits", {})
+    need(isinstance(limits, dict), "limits", "an object")
+    steps = limits.get("max_steps", 30)
+    need(isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1, "limits.max_steps",
+         "a positive integer")
+
+
 def load_task(path: str | os.PathLike) -> Task:
-    """Load and validate one task directory; every problem is a ValueError naming the fix."""
-    root = Path(path)
+    """Load and validate one task directory; every problem is a ValueError naming the file and the fix."""
+    try:
+        return _load_task(Path(path))
+    except (AttributeError, TypeError, KeyError) as e:  # a shape no check above foresaw: still name the task
+        raise ValueError(f"{path}: the task's files are malformed ({type(e).__name__}: {e}); compare with a "
+                         "shipped task (`k3 agentenv tasks --rebuild --dir DIR` writes them) and docs/agentenv.md") from None
+
+
+def _load_task(root: Path) -> Task:
     mpath = root / "task.json"
     if not mpath.is_file():
         raise ValueError(f"{root}: no task.json — a task directory needs task.json, workspace/ "
                          "and hidden/checks.json (see docs/agentenv.md)")
-    try:
-        m = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{mpath}: not valid JSON ({e})") from e
+    m = _json_object(mpath, "task.json")
     if m.get("format") != FORMAT:
         raise ValueError(f"{mpath}: format is {m.get('format')!r}, expected {FORMAT!r}")
     tid = m.get("id")
     for key in ("id", "family", "title", "instruction", "workspace", "verifier", "hidden", "checksum"):
         if key not in m:
             raise ValueError(f"{mpath}: missing key {key!r}")
+    _check_shapes(mpath, m)
     if tid != root.name:
         raise ValueError(f"{mpath}: id {tid!r} does not match the directory name {root.name!r}")
     if m["family"] not in FAMILIES:
@@ -236,7 +280,7 @@ def load_task(path: str | os.PathLike) -> Task:
     if "hidden/checks.json" not in m["hidden"]:
         raise ValueError(f"task {tid}: hidden/checks.json is missing — a task without hidden "
                          "checks cannot be verified")
-    checks = json.loads((root / "hidden/checks.json").read_text()).get("checks")
+    checks = _json_object(root / "hidden/checks.json", "hidden/checks.json").get("checks")
     if not isinstance(checks, list) or not checks:
         raise ValueError(f"task {tid}: hidden/checks.json has no checks")
     for c in checks:
@@ -255,7 +299,9 @@ def load_task(path: str | os.PathLike) -> Task:
                              "workspace file")
     solution: list = []
     if "hidden/solution.json" in m["hidden"]:
-        solution = json.loads((root / "hidden/solution.json").read_text()).get("actions", [])
+        solution = _json_object(root / "hidden/solution.json", "hidden/solution.json").get("actions", [])
+        if not isinstance(solution, list):
+            raise ValueError(f"task {tid}: hidden/solution.json's actions must be a list")
         for a in solution:
             _validate_action(tid, a)
     return Task(id=tid, family=m["family"], title=m["title"], instruction=m["instruction"],
@@ -288,7 +334,7 @@ def load_tasks(selector: str | list[str] = "all", root: str | os.PathLike | None
         elif sel == "all":
             hits = dirs
         elif sel in FAMILIES:
-            hits = [d for d in dirs if json.loads((d / "task.json").read_text()).get("family") == sel]
+            hits = [d for d in dirs if _json_object(d / "task.json", "task.json").get("family") == sel]
         else:
             hits = [d for d in dirs if fnmatch.fnmatch(d.name, sel)]
         if not hits:
