@@ -103,3 +103,28 @@ def test_output_checks(tmp_path):
         output_file("--out", tmp_path / "run")
     with pytest.raises(ValueError, match="afile is a file, not a directory"):
         output_file("--out", tmp_path / "afile" / "x.json")
+
+
+def test_plots_and_jsonl_outputs_do_not_replace_other_files(tmp_path):
+    """`k3 rl plot --out notes.txt` wrote a PNG over the user's file, and `agentenv run --out` replaced any file."""
+    from k3.cli_checks import output_jsonl, output_png
+
+    mine = tmp_path / "notes.png"
+    mine.write_text("my notes")
+    with pytest.raises(ValueError, match="exists and is not a PNG image"):
+        output_png("--out", mine)
+    with pytest.raises(ValueError, match="the plot is a PNG; give a file name ending in .png"):
+        output_png("--out", tmp_path / "reward.jsonl")
+    png = tmp_path / "old.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 16)
+    output_png("--out", png)  # an earlier plot is replaced
+    output_png("--out", tmp_path / "new.png")
+    hi = tmp_path / "afile"
+    hi.write_text("hi\n")
+    with pytest.raises(ValueError, match="does not hold JSON lines"):
+        output_jsonl("--out", hi, "rollouts.jsonl")
+    old = tmp_path / "rollouts.jsonl"
+    old.write_text('{"task": "x"}\n')
+    output_jsonl("--out", old, "rollouts.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    output_jsonl("--out", tmp_path / "empty.jsonl", "rollouts.jsonl")

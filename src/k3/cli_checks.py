@@ -33,6 +33,43 @@ def output_file(flag: str, path, example: str | None = None) -> None:
     _parents_are_dirs(flag, p)
 
 
+def output_png(flag: str, path, example: str = "plot.png") -> None:
+    """A plot's path (None: not given): a writable file name ending in .png that, when it exists, holds an image
+    to replace (PNG), not a file of the user's."""
+    if path is None:
+        return
+    output_file(flag, path, example)
+    p = Path(path)
+    if p.suffix.lower() != ".png":
+        raise ValueError(f"{flag} {path}: the plot is a PNG; give a file name ending in .png")
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                raise ValueError(f"{flag} {path} exists and is not a PNG image; the plot would replace it: give "
+                                 "another path")
+
+
+def output_jsonl(flag: str, path, example: str) -> None:
+    """A JSON-lines output (None: not given) that, when it exists with content, holds JSON lines to replace, not
+    another file of the user's."""
+    if path is None:
+        return
+    output_file(flag, path, example)
+    p = Path(path)
+    if p.is_file() and p.stat().st_size:
+        import json
+
+        with open(p, "rb") as f:
+            first = f.readline(1 << 20)
+        try:
+            ok = isinstance(json.loads(first), dict)
+        except ValueError:  # JSONDecodeError and bytes that are not UTF-8
+            ok = False
+        if not ok:
+            raise ValueError(f"{flag} {path} exists and does not hold JSON lines; the output would replace it: give "
+                             "another path")
+
+
 def output_dir(flag: str, path) -> None:
     """An output directory path (None: not given) that can be made or used: not a file, not under a file."""
     if path is None:

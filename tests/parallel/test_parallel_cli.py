@@ -1,5 +1,7 @@
 """`k3 train --nproc/--ep/--fsdp/--pp` refuses a mesh that does not factor before starting any process;
 `k3 mesh` lays out the ranks; the torchrun re-launch command is well formed."""
+import os
+
 import pytest
 
 from k3.cli import main
@@ -46,7 +48,7 @@ def test_a_failed_local_job_names_the_rank_that_started_it(tmp_path):
 def test_expert_parallel_flags_are_checked_before_any_process_starts(capsys, monkeypatch):
     import subprocess
 
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     tiny = ["train", "--preset", "tiny", "--set", "vocab_size=512"]
     assert main([*tiny, "--set", "n_experts=3", "--nproc", "2", "--ep", "2"]) == 2
     assert "n_experts = 3 is not divisible by --ep 2" in capsys.readouterr().err
@@ -84,7 +86,7 @@ def test_train_checks_data_and_out_before_torchrun(tmp_path, capsys, monkeypatch
 
     from k3.data import prepare_data
 
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
 
     def train(*argv):
         argv = ["train", "--preset", "tiny", "--nproc", "2", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
@@ -125,7 +127,7 @@ def test_train_checks_layout_context_out_and_resume_before_torchrun(tmp_path, ca
     from k3.data import prepare_data
     from k3.parallel.checkpoint import FORMAT
 
-    monkeypatch.setattr(subprocess, "call", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     data = tmp_path / "data"
     prepare_data(data, vocab_size=512, max_bytes=40_000)
 
@@ -161,3 +163,54 @@ def test_train_checks_layout_context_out_and_resume_before_torchrun(tmp_path, ca
                                                         "lr": 1e-3}, "expert_loads": [[1.0] * 8] * 3}))
     code, err = train("--seq-len", "16", "--out", str(tmp_path / "old"), "--resume")
     assert code == 2 and "resume with --lr 0.001" in err, err
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
+    """`kill PID` (or a supervisor's terminate) of `k3 train --nproc 2`, and SIGINT sent to it alone: the ranks
+    stopped with it (subprocess.call killed torchrun only, and the ranks went on training, re-parented to init)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from k3.data import prepare_data
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    prepare_data(data, vocab_size=512, max_bytes=40_000)
+    log = open(tmp_path / "stderr.txt", "w+")  # a file, not a pipe: ranks that outlive the launcher keep a pipe open
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(data), "--out", str(out),
+         "--nproc", "2", "--ep", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "16", "-q"],
+        stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+    def ours() -> list[int]:  # every process whose command line names this run's --out (launcher, torchrun, ranks)
+        pids = []
+        for d in os.listdir("/proc"):
+            try:
+                if d.isdigit() and str(out) in open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace"):
+                    pids.append(int(d))
+            except OSError:
+                pass
+        return pids
+
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert launcher.poll() is None, (tmp_path / "stderr.txt").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the distributed run did not start training"
+            time.sleep(0.5)
+        launcher.send_signal(getattr(signal, sig))
+        code = launcher.wait(120)
+        err = (tmp_path / "stderr.txt").read_text()
+        assert code == (143 if sig == "SIGTERM" else 130), err[-2000:]
+        assert f"the distributed run was stopped ({sig})" in err
+        deadline = time.monotonic() + 30
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not ours(), "processes of the run outlived its launcher"
+    finally:
+        for pid in ours():
+            os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        log.close()

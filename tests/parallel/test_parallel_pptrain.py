@@ -10,7 +10,6 @@ final parameters are compared too: a missing sum of the AttnRes gradients over t
 by only ~2e-5 in these 8 steps (the queries start at zero and move slowly) but those parameters by ~2e-2.
 """
 import json
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from test_parallel_fsdp import Tokens  # the tests' learnable token stream (same
 
 from k3.config import get_config
 from k3.model.transformer import K3Model
+from k3.parallel import cli as pcli
 from k3.parallel.launch import run_local
 from k3.parallel.pipeline import prune_to_stage
 from k3.train.trainer import TrainConfig, Trainer
@@ -130,8 +130,8 @@ def test_cli_trains_two_stages(tmp_path, monkeypatch, capfd):
     argv = ["train", "--preset", "tiny", "--data", str(data), "--out", str(out), "--nproc", "2", "--pp", "2",
             "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--accum", "2", "-q"]
     monkeypatch.setattr(sys, "argv", ["k3", *argv])  # the --nproc re-launch reads the command line
-    call = subprocess.call  # a hung job fails the test instead of blocking it (TimeoutExpired kills torchrun)
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: call(cmd, timeout=240, **kw))
+    run = pcli.run_forwarding_signals  # a hung job fails the test instead of blocking it (the group is killed)
+    monkeypatch.setattr(pcli, "run_forwarding_signals", lambda cmd: run(cmd, timeout=240))
     assert main(argv) == 0, capfd.readouterr().err[-3000:]
     printed = capfd.readouterr().out
     assert "trained to step 2" in printed and "pp 2 x dp 1" in printed, printed
@@ -169,8 +169,8 @@ def test_cli_new_run_with_redundant_expert_slots_and_overwrite(tmp_path, monkeyp
             "--nproc", "2", "--ep", "2", "--ep-redundant", "1", "--steps", "2", "--batch-size", "2",
             "--seq-len", "16", "-q"]
     monkeypatch.setattr(sys, "argv", ["k3", *argv])
-    call = subprocess.call
-    monkeypatch.setattr(subprocess, "call", lambda cmd, **kw: call(cmd, timeout=240, **kw))
+    run = pcli.run_forwarding_signals
+    monkeypatch.setattr(pcli, "run_forwarding_signals", lambda cmd: run(cmd, timeout=240))
     assert main(argv) == 0, capfd.readouterr().err[-3000:]
     assert "trained to step 2" in capfd.readouterr().out
     def losses():

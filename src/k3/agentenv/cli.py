@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from k3.cli_checks import output_file, seed as seed_type
+from k3.cli_checks import output_jsonl, seed as seed_type
 
 
 def register(subparsers) -> None:
@@ -128,7 +128,7 @@ def _run(args) -> int:
                          f"{'it' if len(unused) == 1 else 'them'} (or pick the policy that does)")
     temperature = 0.0 if args.temperature is None else args.temperature
     check_temperature(temperature, "--temperature", hi=1e4 if args.policy == "k3" else None)  # k3's sampler's limit
-    output_file("--out", args.out, "rollouts.jsonl")
+    output_jsonl("--out", args.out, "rollouts.jsonl")
     tasks = load_tasks(args.tasks)
     spec = {"kind": args.policy}
     if args.policy == "http":

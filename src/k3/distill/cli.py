@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_dir, output_file, seed as seed_type
+from k3.cli_checks import at_least, output_dir, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
@@ -458,8 +458,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.plot and not args.gap_run:
         raise ValueError("--plot names the gap plot of --gap-run RUN_DIR; give --gap-run too")
     at_least(args, 1, "--n")
-    for flag, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)):
+    for flag, path in (("--out", args.out), ("--markdown", args.markdown)):
         output_file(flag, path)
+    output_png("--plot", args.plot, "gap.png")
     _model_names(args)
     gap_metrics = _run_metrics("--gap-run", args.gap_run) if args.gap_run else None
     if gap_metrics is not None and not any(r.get("kind") == "eval" and r.get("gap") for r in read_metrics(gap_metrics)):
@@ -549,6 +550,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from k3.distill.evaluate import plot_gaps
     from k3.train.metrics import read_metrics
 
+    output_png("--out", args.out, "gap.png")
     path = Path(args.run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} not found; pass the --out directory of a `k3 distill mopd` run")

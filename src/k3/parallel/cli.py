@@ -84,7 +84,45 @@ def maybe_run_parallel(args: argparse.Namespace) -> int | None:
         raise ValueError("the --nproc re-launch reads the command line; run `k3 train --nproc N ...` from a shell")
     cmd = torchrun_command(nproc, argv)
     print("launching: " + " ".join(cmd), file=sys.stderr)
-    return subprocess.call(cmd)
+    return run_forwarding_signals(cmd)
+
+
+def run_forwarding_signals(cmd: list[str], timeout: float | None = None) -> int:
+    """Run `cmd` (torchrun) in a process group of its own and pass a SIGINT or SIGTERM that reaches this process on
+    to the whole group, once each time it arrives, then wait for it. A terminal's Ctrl-C reaches the ranks as before
+    (once, not also through the terminal); `kill PID`, a supervisor's terminate() or `docker stop` of this process no
+    longer leave torchrun and its ranks training with nobody in charge (subprocess.call killed torchrun alone).
+    Returns the child's exit code, or 130 / 143 when it ended after a forwarded SIGINT / SIGTERM. `timeout` (tests):
+    past it the group is killed and subprocess.TimeoutExpired raised."""
+    import signal
+
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(cmd, **group)
+    got: list[int] = []
+
+    def forward(signum, frame) -> None:
+        got.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):  # already gone
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if got and rc != 0:
+        print(f"k3 train: the distributed run was stopped ({signal.Signals(got[0]).name}); --resume continues from "
+              "the last checkpoint its ranks saved (--ckpt-every)", file=sys.stderr)
+        return 130 if got[0] == signal.SIGINT else 143
+    return rc
 
 
 def _check_before_launch(args: argparse.Namespace, dims) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from k3.cli_checks import output_file
+from k3.cli_checks import output_png
 from k3.model.cli import add_config_args, config_from_args
 
 
@@ -155,9 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--min-gpus chooses the layout itself; drop {' '.join(given)} "
                          "(or drop --min-gpus to plan that layout)")
     if args.plot:
-        output_file("--plot", args.plot, "walls.png")
-        if Path(args.plot).suffix.lower() != ".png":
-            raise ValueError(f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png")
+        output_png("--plot", args.plot, "walls.png")
     names = parse_what_ifs(args.what_if) if args.what_if else []
     out: dict = {}
     if args.min_gpus:
