@@ -180,3 +180,12 @@ def test_params_columns_stay_apart_at_any_width(capsys):
     for line in table:
         name, total, active = line.split()  # three columns, never run together
         assert int(total.replace(",", "")) >= int(active.replace(",", "")) > 0, line
+
+
+def test_divisors_are_listed_without_counting_to_n():
+    from k3.config import divisors
+
+    assert [divisors(n) for n in (1, 6, 16, 17)] == [[1], [1, 2, 3, 6], [1, 2, 4, 8, 16], [1, 17]]
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    assert divisors(10 ** 12 + 1) == [1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 10 ** 12 + 1]  # (counting
+    # to n, as the layout errors did, takes hours here)

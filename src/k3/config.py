@@ -24,6 +24,20 @@ KDA, MLA = "K", "M"
 MAX_DIM = 2 ** 31 - 1  # the largest integer config value (a dimension or count) that validate() accepts
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n >= 1 in increasing order, by trial division up to sqrt(n) (a layout error listing the sizes
+    that fit a world of 10^12 ranks counted to 10^12)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 @dataclass
 class K3Config:
     name: str = "custom"

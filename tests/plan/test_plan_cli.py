@@ -95,6 +95,12 @@ def test_hardware_file_types_are_checked(tmp_path, capsys):
     path = tmp_path / "ok.yaml"
     path.write_text(yaml.safe_dump({**base, "nvlink_domain": 8.0}))
     assert load_hardware(str(path)).nvlink_domain == 8
+    # YAML 1.1 reads 1e3 as text: the message says how to write the number
+    text = (resources.files("k3.plan") / "hardware" / "h100.yaml").read_text()
+    field = next(line.split(":")[0] for line in text.splitlines() if line.startswith("memory_gb:"))
+    path.write_text("\n".join("memory_gb: 1e3" if line.startswith(field + ":") else line for line in text.splitlines()))
+    code, _, err = _run(capsys, "--hardware", str(path))
+    assert code == 2 and "memory_gb = '1e3' must be a positive number (YAML reads that as text" in err, err
 
 
 def test_min_gpus_refuses_layout_flags_and_train(capsys):

@@ -155,7 +155,7 @@ def test_min_gpus(toy_yaml):
     n = found["gpus"]
     assert found["plan"]["fits"] and n > 1
     # no layout of n - 1 GPUs fits (exhaustive over the same search space)
-    from k3.plan.walls import _divisors
+    from k3.config import divisors as _divisors
 
     for tp in _divisors(n - 1):
         for pp in _divisors((n - 1) // tp):

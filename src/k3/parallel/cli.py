@@ -266,14 +266,15 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     from k3.model.cli import config_from_args
     from k3.parallel.pipeline import stage_layers
     from k3.parallel.placement import contiguous_placement
+    from k3.config import divisors
 
     dims = _dims(args.nproc, args)
     config = config_from_args(args)
     moe = config.n_dense_layers < config.n_layers
     if moe and config.n_experts % dims.ep:
-        fits = [e for e in range(1, config.n_experts + 1) if config.n_experts % e == 0]
+        fits = [e for e in divisors(config.n_experts) if dims.dp % e == 0]  # both conditions: advice that works
         raise ValueError(f"n_experts = {config.n_experts} is not divisible by --ep {dims.ep}: k3 mesh shows the "
-                         f"contiguous expert layout, so pick an --ep that divides it ({', '.join(map(str, fits))}); "
+                         f"contiguous expert layout, so pick an --ep that divides it and the {dims.dp} data-parallel ranks ({', '.join(map(str, fits))}); "
                          "`k3 train --ep-redundant N` can place a remainder")
     starts = [r.start for r in stage_layers(config.n_layers, dims.pp)[1:]]  # a --pp that cannot split fails here
     model = build_meta(config)

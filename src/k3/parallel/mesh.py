@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from k3.config import divisors
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ParallelDims", "ParallelContext", "init_distributed", "build_context"]
@@ -40,10 +42,10 @@ class ParallelDims:
         dp = self.world // self.pp
         if dp % self.ep:
             raise ValueError(f"world size {self.world} does not factor into the mesh: ep = {self.ep} does not divide "
-                             f"the {dp} data-parallel ranks (world / pp); pick ep from {_divisors(dp)}")
+                             f"the {dp} data-parallel ranks (world / pp); pick ep from {divisors(dp)}")
         if self.fsdp and dp % self.fsdp:
             raise ValueError(f"world size {self.world} does not factor into the mesh: fsdp = {self.fsdp} does not "
-                             f"divide the {dp} data-parallel ranks (world / pp); pick fsdp from {_divisors(dp)}")
+                             f"divide the {dp} data-parallel ranks (world / pp); pick fsdp from {divisors(dp)}")
 
     @property
     def dp(self) -> int:
@@ -62,9 +64,6 @@ class ParallelDims:
         return f"world {self.world} = pp {self.pp} x dp {self.dp}; dp: fsdp {self.fsdp_size} x replicate " \
                f"{self.dp // self.fsdp_size}, ep {self.ep} x edp {self.edp}"
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass

@@ -65,6 +65,16 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _yaml_hint(v) -> str:
+    """PyYAML (YAML 1.1) reads 1e3 or 1.5e12, an exponent without a sign or without a dot, as a string."""
+    try:
+        float(v) if isinstance(v, str) else None
+    except ValueError:
+        return ""
+    return " (YAML reads that as text: write the exponent with a dot and a sign, e.g. 1.0e+3, or the plain number)" \
+        if isinstance(v, str) else ""
+
+
 def _from_dict(d: dict, origin: str) -> Hardware:
     if not isinstance(d, dict):
         raise ValueError(f"{origin}: expected a YAML mapping with fields {list(_FIELDS)}")
@@ -76,7 +86,7 @@ def _from_dict(d: dict, origin: str) -> Hardware:
     for f in ("memory_gb", "hbm_tb_s", "nvlink_gb_s", "network_gb_s"):
         v = d[f]
         if not _is_number(v) or v <= 0:
-            raise ValueError(f"{origin}: {f} = {v!r} must be a positive number")
+            raise ValueError(f"{origin}: {f} = {v!r} must be a positive number{_yaml_hint(v)}")
     v = d["nvlink_domain"]
     if not _is_number(v) or v <= 0 or v != int(v):  # 8.0 is 8; 0.5 is no number of GPUs
         raise ValueError(f"{origin}: nvlink_domain = {v!r} must be a positive whole number of GPUs (e.g. 8)")
@@ -85,7 +95,7 @@ def _from_dict(d: dict, origin: str) -> Hardware:
         raise ValueError(f"{origin}: tflops must map some of {list(PRECISIONS)} to dense TFLOP/s (or null)")
     for p, v in tf.items():
         if v is not None and (not _is_number(v) or v <= 0):
-            raise ValueError(f"{origin}: tflops.{p} = {v!r} must be a positive number or null")
+            raise ValueError(f"{origin}: tflops.{p} = {v!r} must be a positive number or null{_yaml_hint(v)}")
     if not tf.get("bf16"):
         raise ValueError(f"{origin}: tflops.bf16 is required (the precision everything can fall back to)")
     return Hardware(name=str(d["name"]), description=str(d.get("description", "")),

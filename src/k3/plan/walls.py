@@ -23,7 +23,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from k3.config import K3Config
+from k3.config import K3Config, divisors
 from k3.model import accounting as acc
 from k3.plan.hardware import Hardware, load_hardware
 
@@ -105,8 +105,6 @@ def meta_model(config: K3Config):
 
 
 # ---------------------------------------------------------------------------------------------- layout
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def tp_split_dims(config: K3Config) -> dict[str, int]:
@@ -142,13 +140,13 @@ def check_layout(config: K3Config, layout: Layout) -> None:
     dims = tp_split_dims(config)
     bad = {k: v for k, v in dims.items() if v % layout.tp}
     if bad:
-        fit = _divisors(math.gcd(*dims.values()))
+        fit = divisors(math.gcd(*dims.values()))
         problems.append(f"tp = {layout.tp} does not divide {', '.join(f'{k} = {v}' for k, v in bad.items())}; "
                         f"tensor-parallel sizes that fit: {', '.join(map(str, fit))}")
     has_moe = config.n_dense_layers < config.n_layers
     # ep must divide both the experts and the tp x dp GPUs of a stage (which spread the experts); the sizes
     # offered satisfy both, so following the advice never meets the other condition
-    fit = [e for e in _divisors(layout.tp * layout.dp) if not has_moe or config.n_experts % e == 0]
+    fit = [e for e in divisors(layout.tp * layout.dp) if not has_moe or config.n_experts % e == 0]
     if has_moe and config.n_experts % layout.ep:
         problems.append(f"ep = {layout.ep} does not divide n_experts = {config.n_experts}; with tp x dp = "
                         f"{layout.tp * layout.dp} GPUs per stage, expert-parallel sizes that fit: "
@@ -523,7 +521,7 @@ def min_gpus_to_serve(config: K3Config, hardware: Hardware | str, options: Optio
         raise ValueError("min_gpus_to_serve plans serving; use mode 'serve'")
     L = config.n_layers
     _check_context(config, options)  # not a matter of GPUs: said once, not swallowed by the search
-    tp_fit = _divisors(math.gcd(*tp_split_dims(config).values()))
+    tp_fit = divisors(math.gcd(*tp_split_dims(config).values()))
     prec = acc.Precision(routed=options.expert_precision, dense=options.dense_precision, vector="bf16")
     weights = acc.param_bytes(meta_model(config), prec)["bytes"]
     for n in range(1, max_gpus + 1):
@@ -531,7 +529,7 @@ def min_gpus_to_serve(config: K3Config, hardware: Hardware | str, options: Optio
             continue  # the weights alone do not fit in n GPUs
         best = None
         for tp in (t for t in tp_fit if n % t == 0 and t <= hw.nvlink_domain):
-            for pp in (p for p in _divisors(n // tp) if p <= L):
+            for pp in (p for p in divisors(n // tp) if p <= L):
                 dp = n // (tp * pp)
                 ep = tp * dp
                 if config.n_dense_layers < L and config.n_experts % ep:
