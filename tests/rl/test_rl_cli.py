@@ -39,6 +39,11 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
     assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
                  "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    # a resume that has nothing left to train says so (it printed only null figures)
+    assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "1", "--groups", "1",
+                 "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed", "--max-turns", "2",
+                 "--resume"]) == 0
+    assert "fixed is already at step 2: nothing to train; raise --steps above 2" in capsys.readouterr().err
     # the experiment's tokenizer is reused only with the settings that built it
     warm2 = ["rl", "warmstart", *common, "--tasks-per-kind", "1", "--demos-per-task", "1", "--steps", "2",
              "--batch", "1", "--ckpt-every", "0", "--workers", "3", "--n-layers", "2", "--tokenizer-prompts", "40"]
@@ -106,6 +111,8 @@ def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
         (train + ["--name", "/abs"], "--name '/abs' must be a plain directory name under --root"),
         (train + ["--name", "../escape"], "--name '../escape' must be a plain directory name"),
         (train + ["--name", ""], "--name is empty (an unset shell variable?)"),
+        (train + ["--name", "tasks"], "--name tasks is one of the experiment's own files or stages"),
+        (train + ["--name", "warmstart", "--init", "warmstart"], "--name warmstart is one of the experiment's own"),
         (train + ["--name", ".."], "--name '..' must be a plain directory name"),
         (train + ["--init", "../warmstart"], "--init '../warmstart' must be a plain directory name"),
         (train + ["--init", "g1", "--name", "g1"], "--init g1 and --name g1 are the same run"),

@@ -276,6 +276,12 @@ def cmd_train(args) -> dict:
     _check_run_flags(args)
     _check_name("--name", args.name)
     _check_name("--init", args.init)
+    from k3.data.tokenizer import SETTINGS_FILE
+    own = {"warmstart", "tasks", "demos.jsonl", "tokenizer.json", SETTINGS_FILE, "eval.json", "intent.json",
+           "reward.png"}
+    if args.name in own:  # a run's checkpoint and metrics would land in (or replace) the experiment's own files
+        raise ValueError(f"--name {args.name} is one of the experiment's own files or stages under --root "
+                         f"({', '.join(sorted(own))}); name the run something else, e.g. swap")
     if args.init == args.name:
         raise ValueError(f"--init {args.init} and --name {args.name} are the same run: pass --resume (with the --init "
                          "it started from) to continue it, or another --name to train a new run from it")
@@ -301,6 +307,14 @@ def cmd_train(args) -> dict:
     finally:
         bar.close()
     train = [r for r in records if r.get("kind") == "train" and r.get("reward_mean") is not None]
+    if args.resume and not train:
+        from k3.train.checkpoint import latest_checkpoint, read_manifest
+
+        found = latest_checkpoint(root / args.name / "checkpoint")
+        done = read_manifest(found, verify=False)["step"] if found else None
+        if done is not None and done >= args.steps:  # as `k3 train --resume` says it
+            print(f"{args.name} is already at step {done}: nothing to train; raise --steps above {done} to go on",
+                  file=sys.stderr)
     return {"run": args.name, "steps": train[-1]["step"] if train else None,
             "reward_first": train[0]["reward_mean"] if train else None,
             "reward_last": train[-1]["reward_mean"] if train else None}
