@@ -151,8 +151,8 @@ def test_broken_policies_never_succeed(sandbox):
 def test_http_endpoint_check_names_the_fix():
     """Before any episode: a server that is not running, or whose chat route refuses the model, is one clear
     error; a model missing from GET /models (or a list the key may not read) is asked for one chat token first,
-    since some servers list other names than they take; a models route that is missing or of another shape is
-    not judged."""
+    since some servers list other names than they take, and so is a server without a models route; a models list
+    of another shape is not judged."""
     refuse = (404, {"error": {"message": "the model 'k3-mini' does not exist"}})
     srv = FakeServer([refuse, msg("ok")], models=["k3-tiny"])
     try:
@@ -172,11 +172,26 @@ def test_http_endpoint_check_names_the_fix():
         OpenAIChatPolicy(srv.url, "m").check_endpoint()  # a key that may chat but not list models
     finally:
         srv.close()
-    for models in (None, []):  # no models route (404), or a list of another shape: not judged
-        srv = FakeServer([], models=models)
+    srv = FakeServer([], models=[])  # a list of another shape: not judged
+    try:
+        OpenAIChatPolicy(srv.url, "anything").check_endpoint()
+        assert all(r["path"] == "/v1/models" for r in srv.requests)
+    finally:
+        srv.close()
+    srv = FakeServer([msg("ok")], models=None)  # no models route (404): the chat route is asked instead, and takes it
+    try:
+        OpenAIChatPolicy(srv.url, "anything").check_endpoint()
+        assert srv.requests[-1]["body"]["max_tokens"] == 1
+    finally:
+        srv.close()
+    # a web server that is no OpenAI API (404 for the models route; 501 for POST, or a page that is not JSON):
+    # one error before any episode (every episode failed, after retries)
+    for reply, says in (((501, {"error": "Unsupported method ('POST')"}), "HTTP 501"),
+                        ((200, b"<html>hello</html>"), "answered, but not as an OpenAI-compatible chat API")):
+        srv = FakeServer([reply], models=None)
         try:
-            OpenAIChatPolicy(srv.url, "anything").check_endpoint()
-            assert all(r["path"] == "/v1/models" for r in srv.requests)
+            with pytest.raises(PolicyError, match=says):
+                OpenAIChatPolicy(srv.url, "m").check_endpoint()
         finally:
             srv.close()
     with pytest.raises(PolicyError, match="cannot reach http://127.0.0.1:9/v1 .*start the server first"):

@@ -147,11 +147,13 @@ class OpenAIChatPolicy(Policy):
         """Before any episode: the server answers and takes the model. Raises PolicyError naming the fix when it
         cannot be reached, or when `--model` is not in its GET /models list *and* a one-token chat request for it
         is refused (some servers list other names than the chat route takes: Ollama's ':latest' tags, Azure's
-        deployments; some keys may chat but not list models). A server without a models route is not judged."""
+        deployments; some keys may chat but not list models). A server without a models route (404/405, or an
+        answer that is not JSON) is asked the same one-token question: a web server that is not an OpenAI API
+        (404 there, 501 for POST, HTML) is refused here instead of failing every episode."""
         headers = self._headers()
         req = urllib.request.Request(self.base_url + "/models", headers=headers, method="GET")
         ids: list = []
-        refused = False  # the key may chat but not list models
+        ask = False  # the key may chat but not list models, or there is no models route: ask the chat route
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 data = json.loads(resp.read(4 << 20))
@@ -159,16 +161,16 @@ class OpenAIChatPolicy(Policy):
             ids = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)] \
                 if isinstance(listed, list) else []
         except urllib.error.HTTPError as e:
-            if e.code not in (401, 403):
-                return  # no models route (404/405) or a server error: nothing to judge here
-            refused = True
+            if e.code >= 500 or e.code in (408, 429):
+                return  # a server error: transient, for the episodes' retries
+            ask = True  # 401/403 (a key that may chat but not list), 404/405 (no models route)
         except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)  # HTTPException: something answers there, but not HTTP
             raise PolicyError(f"cannot reach {self.base_url} ({type(reason).__name__}: {reason}); start the server "
                               "first (e.g. `k3 serve --ckpt DIR --port 8000`) or pass its --base-url") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return
-        if self.model in ids or not (ids or refused):  # listed, or a list of another shape: nothing to judge
+            ask = True
+        if self.model in ids or not (ids or ask):  # listed, or a list of another shape: nothing to judge
             return
         # not listed, or the list refused: ask the chat route itself, for one token
         body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -176,9 +178,9 @@ class OpenAIChatPolicy(Policy):
                                       headers=headers, method="POST")
         try:
             with urllib.request.urlopen(chat, timeout=max(timeout_s, 60.0)) as resp:
-                resp.read(1 << 20)
+                answer = resp.read(1 << 20)
         except urllib.error.HTTPError as e:
-            if e.code >= 500 or e.code in (408, 429):
+            if (e.code >= 500 and e.code != 501) or e.code in (408, 429):  # 501: no POST here at all
                 return  # the server is up; a transient failure is for the episodes' retries
             said = e.read(300).decode("utf-8", "replace")
             fix = f"pass --model {ids[0]}" if ids else \
@@ -189,6 +191,14 @@ class OpenAIChatPolicy(Policy):
                               f"(HTTP {e.code}: {said}){served}: {fix}") from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException):
             return  # up a moment ago: leave it to the episodes
+        try:
+            reply = json.loads(answer)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            reply = None
+        if not (isinstance(reply, dict) and isinstance(reply.get("choices"), list)):
+            raise PolicyError(f"{self.base_url}/chat/completions answered, but not as an OpenAI-compatible chat API "
+                              f"({answer[:120].decode('utf-8', 'replace')!r}); pass the base URL of one, usually "
+                              "ending in /v1")
 
     def act(self, transcript):
         body = {"model": self.model, "messages": transcript, "temperature": self.temperature,
