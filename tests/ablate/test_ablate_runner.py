@@ -278,3 +278,16 @@ def test_list_prints_nothing_before_an_error_and_only_must_name_something(tmp_pa
         err = capsys.readouterr().err
         assert ("--only is empty" if empty == "" else "names no ablation") in err, err
     assert not (tmp_path / "d").exists()
+
+
+def test_out_is_checked_before_any_data_work(tmp_path, capsys):
+    """A file as --out failed only after the data was built; another tool's folder got results written into it."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "teachers").mkdir()
+    (tmp_path / "teachers" / "teachers.json").write_text("{}")
+    for out, says in ((tmp_path / "afile", "is a file; give a directory"),
+                      (tmp_path / "teachers", "holds files k3 ablate did not write (teachers.json)")):
+        assert main(["ablate", "--quick", "--only", "depth", "--out", str(out), "--data", str(tmp_path / "d"),
+                     "-q"]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # refused before the data was built

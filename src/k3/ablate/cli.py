@@ -76,6 +76,23 @@ def cmd_list(scale, names, user_set) -> int:
     return 0
 
 
+ABLATE_FILES = {"results.json", "results.md", "runs", "plots"}  # what `k3 ablate` writes into --out
+
+
+def _check_out(out: Path) -> None:
+    """--out is new, empty or an earlier `k3 ablate` output, before any data work: a file failed only after the data
+    was built, and another tool's folder (a teacher matrix, a training run) got results and runs written into it."""
+    from k3.cli_checks import output_dir
+
+    output_dir("--out", out)
+    if out.is_dir():
+        names = {p.name for p in out.iterdir() if not p.name.startswith(".")}
+        if names and not names & ABLATE_FILES:
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise ValueError(f"--out {out} holds files k3 ablate did not write ({shown}); give a new or empty "
+                             "directory, or the --out of an earlier k3 ablate")
+
+
 def cmd_ablate(args: argparse.Namespace) -> int:
     from k3.ablate.report import write_report
     from k3.ablate.runner import auto_jobs, data_fingerprint, plan_runs, run_plan
@@ -91,6 +108,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.list:
         return cmd_list(scale, names, user_set)
     build_groups(scale.base_config(user_set), names, user_set)  # bad combinations fail before any data work
+    _check_out(Path(args.out or ("runs/ablate-quick" if args.quick else "runs/ablate")))
     if args.jobs is not None and args.jobs < 0:
         raise ValueError(f"--jobs {args.jobs} must be >= 0 (0 = the cores the load average leaves free)")
     import torch
