@@ -77,6 +77,13 @@ def test_mesh_errors_name_cli_flags_and_print_nothing_first(capsys):
     assert main(["mesh", "--preset", "tiny", "--nproc", "8", "--pp", "8"]) == 2
     out = capsys.readouterr()
     assert "cannot split 4 layers" in out.err and out.out == ""  # no partial layout before the error
+    for flag, value, says in (("--nproc", "0", "--nproc 0 must be a positive integer"),  # was "world = 0 ..."
+                              ("--ep", "0", "--ep 0 must be a positive integer"),
+                              ("--fsdp", "-1", "--fsdp -1 must be >= 0")):
+        assert main(["mesh", "--preset", "tiny", flag, value]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["mesh", "--preset", "tiny", "--nproc", "6", "--ep", "3"]) == 2  # offers only --ep sizes that fit
+    assert "divides it and the 6 data-parallel ranks (1, 2)" in capsys.readouterr().err
 
 
 def test_train_checks_data_and_out_before_torchrun(tmp_path, capsys, monkeypatch):

@@ -49,6 +49,12 @@ def _check_expert_parallel(args, dims) -> None:
 def _dims(nproc: int, args):
     from k3.parallel.mesh import ParallelDims
 
+    for flag, v in (("--nproc", nproc), ("--ep", args.ep), ("--pp", args.pp)):  # named as flags, not fields
+        if v < 1:
+            raise ValueError(f"{flag} {v} must be a positive integer")
+    if args.fsdp < 0:
+        raise ValueError(f"--fsdp {args.fsdp} must be >= 0 (0 = shard over all data-parallel ranks)")
+
     return ParallelDims(nproc, ep=args.ep, fsdp=args.fsdp, pp=args.pp)
 
 
