@@ -108,6 +108,11 @@ def test_k3_policy_by_spec_from_a_checkpoint(tmp_path, model, tok, task, sandbox
     assert main(["agentenv", "run", "--tasks", "files-rename-ext", "--policy", "k3", "--ckpt",
                  str(tmp_path / "nope"), "--out", str(tmp_path / "n.jsonl")]) == 2
     assert not (tmp_path / "n.jsonl").exists()
+    # a reply budget no prompt leaves room for: refused before any episode (it failed each one, ContextExceeded)
+    ctx = model.config.max_context
+    assert main(["agentenv", "run", "--tasks", "files-rename-ext", "--policy", "k3", "--ckpt",
+                 str(tmp_path / "checkpoint"), "--max-tokens", str(ctx), "--out", str(tmp_path / "n.jsonl")]) == 2
+    assert not (tmp_path / "n.jsonl").exists()
     # --max-tokens reaches the http policy too (it always asked for 2048)
     import k3.agentenv.rollout as rollout
     seen = {}

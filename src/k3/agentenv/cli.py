@@ -147,7 +147,11 @@ def _run(args) -> int:
         if not args.ckpt:
             raise ValueError("--policy k3 needs --ckpt (a checkpoint directory or root)")
         from .policies import _load_k3
-        _load_k3(str(args.ckpt), None if args.tokenizer is None else str(args.tokenizer))  # fails here, not per episode
+        model, _ = _load_k3(str(args.ckpt), None if args.tokenizer is None else str(args.tokenizer))  # fails here,
+        ctx = model.config.max_context                                                             # not per episode
+        if args.max_tokens is not None and args.max_tokens >= ctx:  # no prompt would leave room for the reply
+            raise ValueError(f"--max-tokens {args.max_tokens} does not fit the model's context of {ctx} tokens with "
+                             f"any prompt; give a value well below {ctx}")
         spec.update(ckpt=args.ckpt, tokenizer=args.tokenizer, temperature=temperature,
                     max_tokens=args.max_tokens or 256, seed=args.seed)
     if args.policy == "http":
