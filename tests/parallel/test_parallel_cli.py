@@ -172,13 +172,19 @@ def test_train_checks_layout_context_out_and_resume_before_torchrun(tmp_path, ca
     assert code == 2 and "resume with --lr 0.001" in err, err
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP", "ctrl-c"])
 def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
-    """`kill PID` (or a supervisor's terminate) of `k3 train --nproc 2`, and SIGINT sent to it alone: the ranks
-    stopped with it (subprocess.call killed torchrun only, and the ranks went on training, re-parented to init)."""
+    """`kill PID` (or a supervisor's terminate) of `k3 train --nproc 2`, SIGINT or SIGHUP sent to it alone: the ranks
+    stop with it (subprocess.call killed torchrun only, and the ranks went on training, re-parented to init). And a
+    real Ctrl-C on a terminal (a pty), which the tty sends to the whole process group: everything stops too, the
+    launcher not sending it a second time."""
+    import fcntl
+    import pty
     import signal
     import subprocess
     import sys
+    import termios
+    import threading
     import time
 
     from k3.data import prepare_data
@@ -186,10 +192,23 @@ def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
     data, out = tmp_path / "data", tmp_path / "out"
     prepare_data(data, vocab_size=512, max_bytes=40_000)
     log = open(tmp_path / "stderr.txt", "w+")  # a file, not a pipe: ranks that outlive the launcher keep a pipe open
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(data), "--out", str(out),
-         "--nproc", "2", "--ep", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "16", "-q"],
-        stdout=subprocess.DEVNULL, stderr=log, text=True)
+    cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(data), "--out", str(out),
+           "--nproc", "2", "--ep", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "16", "-q"]
+    if sig == "ctrl-c":  # a session of its own whose controlling terminal is a pty: the tty driver sends the SIGINT
+        master, slave = pty.openpty()
+        launcher = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=log, start_new_session=True,
+                                    preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+
+        def drain() -> None:  # the pty's buffer is small
+            try:
+                while os.read(master, 4096):
+                    pass
+            except OSError:
+                pass
+        threading.Thread(target=drain, daemon=True).start()
+    else:
+        launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
 
     def ours() -> list[int]:  # every process whose command line names this run's --out (launcher, torchrun, ranks)
         pids = []
@@ -207,11 +226,15 @@ def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
             assert launcher.poll() is None, (tmp_path / "stderr.txt").read_text()[-2000:]
             assert time.monotonic() < deadline, "the distributed run did not start training"
             time.sleep(0.5)
-        launcher.send_signal(getattr(signal, sig))
+        if sig == "ctrl-c":
+            os.write(master, b"\x03")
+        else:
+            launcher.send_signal(getattr(signal, sig))
         code = launcher.wait(120)
         err = (tmp_path / "stderr.txt").read_text()
-        assert code == (143 if sig == "SIGTERM" else 130), err[-2000:]
-        assert f"the distributed run was stopped ({sig})" in err
+        name = "SIGINT" if sig == "ctrl-c" else sig
+        assert code == 128 + getattr(signal, name), err[-2000:]
+        assert f"the distributed run was stopped ({name})" in err
         deadline = time.monotonic() + 30
         while ours() and time.monotonic() < deadline:
             time.sleep(0.5)

@@ -94,40 +94,46 @@ def maybe_run_parallel(args: argparse.Namespace) -> int | None:
 
 
 def run_forwarding_signals(cmd: list[str], timeout: float | None = None) -> int:
-    """Run `cmd` (torchrun) in a process group of its own and pass a SIGINT or SIGTERM that reaches this process on
-    to the whole group, once each time it arrives, then wait for it. A terminal's Ctrl-C reaches the ranks as before
-    (once, not also through the terminal); `kill PID`, a supervisor's terminate() or `docker stop` of this process no
-    longer leave torchrun and its ranks training with nobody in charge (subprocess.call killed torchrun alone).
-    Returns the child's exit code, or 130 / 143 when it ended after a forwarded SIGINT / SIGTERM. `timeout` (tests):
-    past it the group is killed and subprocess.TimeoutExpired raised."""
+    """Run `cmd` (torchrun) and wait for it, passing on a SIGINT, SIGTERM, SIGHUP or SIGQUIT that a process sent to
+    this one alone: `kill PID`, a supervisor's terminate(), `docker stop`. subprocess.call left torchrun and its ranks
+    training with nobody in charge then. torchrun stays in this process group, so what the terminal sends to the
+    whole group (Ctrl-C, Ctrl-Z, a hang-up) reaches it and the ranks directly, as it did, and is not sent twice: the
+    signals are taken synchronously (sigtimedwait), and one that the kernel sent (si_code > 0, the terminal) is not
+    forwarded. Returns the child's exit code, or 128 + the signal when it ended after one. `timeout` (tests): past it
+    the child is killed and subprocess.TimeoutExpired raised."""
     import signal
+    import time
 
-    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    proc = subprocess.Popen(cmd, **group)
+    if not hasattr(signal, "sigtimedwait"):  # not Linux: no siginfo to tell who sent a signal
+        return subprocess.call(cmd, timeout=timeout)
+    taken = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, taken)
     got: list[int] = []
-
-    def forward(signum, frame) -> None:
-        got.append(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except (ProcessLookupError, PermissionError):  # already gone
-            pass
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+        # the child starts with this process's mask as it was, not with these signals blocked
+        proc = subprocess.Popen(cmd, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, mask))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while proc.poll() is None:
+            info = signal.sigtimedwait(taken, 0.2)
+            if info is not None:
+                got.append(info.si_signo)
+                if info.si_code <= 0:  # SI_USER / SI_QUEUE / SI_TKILL: sent by a process, to this one
+                    try:
+                        proc.send_signal(info.si_signo)
+                    except ProcessLookupError:
+                        pass
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+        rc = proc.returncode
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if got and rc != 0:
-        print(f"k3 train: the distributed run was stopped ({signal.Signals(got[0]).name}); --resume continues from "
-              "the last checkpoint its ranks saved (--ckpt-every)", file=sys.stderr)
-        return 130 if got[0] == signal.SIGINT else 143
+        name = signal.Signals(got[0]).name
+        print(f"k3 train: the distributed run was stopped ({name}); --resume continues from the last checkpoint its "
+              "ranks saved (--ckpt-every)", file=sys.stderr)
+        return 128 + got[0]
     return rc
 
 
