@@ -54,6 +54,18 @@ def test_params_summary_line_says_when_no_layer_is_moe(capsys):
     assert "no MoE layer (every layer dense)" in out and "experts, latent" not in out
 
 
+def test_empty_values_that_mean_something_pass_and_positionals_are_named(capsys):
+    """`k3 serve --host ""` binds every interface (IPv4 and IPv6); `k3 export ""` names its CKPT argument, not a
+    --ckpt of other commands."""
+    from k3.cli import build_parser, check_empty_values, main
+
+    p = build_parser()
+    check_empty_values(p, p.parse_args(["serve", "--host", ""]))
+    check_empty_values(p, p.parse_args(["train", "--qat"]))
+    assert main(["export", "", "--out", "x"]) == 2
+    assert "the CKPT argument is empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, flag", [(["tokenize", "--data", ""], "--data"), (["train", "--out", ""], "--out"),
                                         (["eval", "--ckpt", ""], "--ckpt"), (["rl", "train", "--root", ""], "--root"),
                                         (["distill", "mopd", "--teachers", ""], "--teachers")])
@@ -111,10 +123,20 @@ def test_plots_and_jsonl_outputs_do_not_replace_other_files(tmp_path):
 
     mine = tmp_path / "notes.png"
     mine.write_text("my notes")
-    with pytest.raises(ValueError, match="exists and is not a PNG image"):
+    with pytest.raises(ValueError, match="exists and is not a PNG plot"):
         output_png("--out", mine)
-    with pytest.raises(ValueError, match="the plot is a PNG; give a file name ending in .png"):
+    with pytest.raises(ValueError, match="the plot is written as PNG; give a file name ending in .png"):
         output_png("--out", tmp_path / "reward.jsonl")
+    # where matplotlib picks the format from the suffix, SVG and PDF are plots too
+    plots = (".png", ".svg", ".pdf")
+    output_png("--out", tmp_path / "reward.svg", "reward.png", plots)
+    with pytest.raises(ValueError, match="written as PNG or SVG or PDF"):
+        output_png("--out", tmp_path / "reward.jpg", "reward.png", plots)
+    (tmp_path / "old.svg").write_text('<?xml version="1.0"?><svg/>')
+    output_png("--out", tmp_path / "old.svg", "reward.png", plots)
+    (tmp_path / "mine.pdf").write_text("notes")
+    with pytest.raises(ValueError, match="is not a PDF plot"):
+        output_png("--out", tmp_path / "mine.pdf", "reward.png", plots)
     png = tmp_path / "old.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 16)
     output_png("--out", png)  # an earlier plot is replaced
@@ -128,3 +150,6 @@ def test_plots_and_jsonl_outputs_do_not_replace_other_files(tmp_path):
     output_jsonl("--out", old, "rollouts.jsonl")
     (tmp_path / "empty.jsonl").write_text("")
     output_jsonl("--out", tmp_path / "empty.jsonl", "rollouts.jsonl")
+    big = tmp_path / "big.jsonl"  # a first record longer than what is read of it (a whole transcript)
+    big.write_text('{"transcript": "' + "x" * (2 << 20) + '"}\n')
+    output_jsonl("--out", big, "rollouts.jsonl")

@@ -42,29 +42,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# string options for which an empty value means something (the others name paths, models, lists, ...)
-EMPTY_ALLOWED = {"prompt", "compile"}
+# string options for which an empty value means something: a prompt, torch.compile off, `k3 serve --host ""` (every
+# interface, IPv4 and IPv6), a layer pattern left to mla_every. The others name paths, models, lists, ...
+EMPTY_ALLOWED = {"prompt", "compile", "host", "layer_pattern"}
 
 
-def _string_options(parser: argparse.ArgumentParser, found: dict | None = None) -> dict[str, str]:
-    """dest -> flag of every option (in every subcommand) that takes one string value."""
-    found = {} if found is None else found
+def _chosen(parser: argparse.ArgumentParser, func) -> argparse.ArgumentParser | None:
+    """The (sub)parser whose command `func` is."""
+    if parser._defaults.get("func") is func:
+        return parser
     for a in parser._actions:
         if isinstance(a, argparse._SubParsersAction):
             for sub in a.choices.values():
-                _string_options(sub, found)
-        elif a.option_strings and a.type in (None, str) and a.nargs is None and a.const is None \
-                and a.dest not in EMPTY_ALLOWED and isinstance(a, argparse._StoreAction):
-            found.setdefault(a.dest, a.option_strings[-1])
-    return found
+                found = _chosen(sub, func)
+                if found is not None:
+                    return found
+    return None
 
 
 def check_empty_values(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """An option given as "" (an unset shell variable: `--data "$DATA"`) is an error, not a silent "." for a path."""
-    for dest, flag in _string_options(parser).items():
-        if getattr(args, dest, None) == "":
+    """An argument of the command given as "" (an unset shell variable: `--data "$DATA"`) is an error, not a silent
+    "." for a path or a default in disguise."""
+    chosen = _chosen(parser, getattr(args, "func", None)) or parser
+    for a in chosen._actions:
+        if not isinstance(a, argparse._StoreAction) or a.type not in (None, str) or a.nargs is not None \
+                or a.const is not None or a.dest in EMPTY_ALLOWED or getattr(args, a.dest, None) != "":
+            continue
+        if a.option_strings:
+            flag = a.option_strings[-1]
             raise ValueError(f"{flag} is empty (an unset shell variable?); give it a value, or drop {flag} to use "
                              "its default")
+        raise ValueError(f"the {a.metavar or a.dest.upper()} argument is empty (an unset shell variable?); give it")
 
 
 def _stdout_reader_gone() -> bool:

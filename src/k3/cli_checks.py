@@ -33,20 +33,27 @@ def output_file(flag: str, path, example: str | None = None) -> None:
     _parents_are_dirs(flag, p)
 
 
-def output_png(flag: str, path, example: str = "plot.png") -> None:
-    """A plot's path (None: not given): a writable file name ending in .png that, when it exists, holds an image
-    to replace (PNG), not a file of the user's."""
+PLOT_MAGIC = {".png": b"\x89PNG\r\n\x1a\n", ".svg": b"<", ".pdf": b"%PDF"}  # how each plot file starts
+
+
+def output_png(flag: str, path, example: str = "plot.png", suffixes: tuple[str, ...] = (".png",)) -> None:
+    """A plot's path (None: not given): a writable file name with one of `suffixes` (matplotlib takes the format
+    from it) that, when it exists, holds a plot of that format to replace, not a file of the user's."""
     if path is None:
         return
     output_file(flag, path, example)
     p = Path(path)
-    if p.suffix.lower() != ".png":
-        raise ValueError(f"{flag} {path}: the plot is a PNG; give a file name ending in .png")
+    suffix = p.suffix.lower()
+    if suffix not in suffixes:
+        kinds = " or ".join(s[1:].upper() for s in suffixes)
+        raise ValueError(f"{flag} {path}: the plot is written as {kinds}; give a file name ending in "
+                         f"{' or '.join(suffixes)}")
     if p.is_file():
         with open(p, "rb") as f:
-            if f.read(8) != b"\x89PNG\r\n\x1a\n":
-                raise ValueError(f"{flag} {path} exists and is not a PNG image; the plot would replace it: give "
-                                 "another path")
+            head = f.read(8).lstrip() if suffix == ".svg" else f.read(8)
+        if not head.startswith(PLOT_MAGIC[suffix]):
+            raise ValueError(f"{flag} {path} exists and is not a {suffix[1:].upper()} plot; the plot would replace "
+                             "it: give another path")
 
 
 def output_jsonl(flag: str, path, example: str) -> None:
@@ -61,10 +68,13 @@ def output_jsonl(flag: str, path, example: str) -> None:
 
         with open(p, "rb") as f:
             first = f.readline(1 << 20)
-        try:
-            ok = isinstance(json.loads(first), dict)
-        except ValueError:  # JSONDecodeError and bytes that are not UTF-8
-            ok = False
+        if len(first) == 1 << 20 and not first.endswith(b"\n"):  # a long first record (a whole transcript)
+            ok = first.startswith(b"{")
+        else:
+            try:
+                ok = isinstance(json.loads(first), dict)
+            except ValueError:  # JSONDecodeError and bytes that are not UTF-8
+                ok = False
         if not ok:
             raise ValueError(f"{flag} {path} exists and does not hold JSON lines; the output would replace it: give "
                              "another path")

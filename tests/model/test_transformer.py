@@ -252,6 +252,8 @@ def test_generate_checks_its_arguments_before_the_prefill():
         finally:
             hook.remove()
         assert not calls, kwargs
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        m.generate([[1, 2]], max_new_tokens=m.config.max_context)  # an AttributeError on .shape before
     n = m.config.max_context - 4 + 2
     with pytest.raises(ValueError, match=rf"max_new_tokens = {n}.*over max_context = {m.config.max_context}"):
         m.generate(ids, max_new_tokens=n)

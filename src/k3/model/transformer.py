@@ -136,10 +136,12 @@ class K3Model(nn.Module):
         """Minimal cached sampling loop: prefill once, then one token at a time. [B, T] -> [B, T + new]."""
         from k3.serve.sampling import SamplingParams  # the server's checks; serve imports the model
 
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got {type(input_ids).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens = {max_new_tokens!r} is invalid: must be an integer >= 0")
         SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p).validate()
-        total = (input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else 0) + max(max_new_tokens - 1, 0)
+        total = input_ids.shape[-1] + max(max_new_tokens - 1, 0)
         if total > self.config.max_context:
             raise ValueError(f"{input_ids.shape[-1]} prompt tokens + max_new_tokens = {max_new_tokens} need a "
                              f"context of {total} (the last token is not fed back), over max_context = "
