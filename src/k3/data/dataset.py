@@ -182,8 +182,9 @@ class PackedDataset:
 
 def build_dataset(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: str | os.PathLike,
                   name: str = "train", *, source: str = "", progress: bool = False, total: int | None = None,
-                  chunk_docs: int = 64, extra: dict | None = None) -> PackedDataset:
-    """Tokenise `documents` once (each followed by `<|eos|>`) into `out_dir/{name}.bin` + manifest."""
+                  chunk_docs: int = 64, extra: dict | None = None, shown_dir: Path | None = None) -> PackedDataset:
+    """Tokenise `documents` once (each followed by `<|eos|>`) into `out_dir/{name}.bin` + manifest. `shown_dir`: the
+    directory the log line names (where a staged build will end up)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / f"{name}.json"
@@ -233,7 +234,8 @@ def build_dataset(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: 
         "tokenizer_hash": tokenizer.fingerprint, "source": source, **(extra or {}),
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
-    log.info("%s: %s tokens from %d documents (%.2f bytes/token) in %.1fs", manifest_path, f"{n_tokens:,}",
+    log.info("%s: %s tokens from %d documents (%.2f bytes/token) in %.1fs",
+             manifest_path if shown_dir is None else Path(shown_dir) / manifest_path.name, f"{n_tokens:,}",
              len(doc_starts), n_bytes / n_tokens, time.perf_counter() - t0)
     return PackedDataset(manifest_path)
 
@@ -430,7 +432,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     # the data that was there as it was
     stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out_dir))
     try:
-        info = _build(stage, corpus, request, vocab_size, max_bytes, tokenizer_max_bytes, decontaminate, progress)
+        info = _build(stage, corpus, request, vocab_size, max_bytes, tokenizer_max_bytes, decontaminate, progress,
+                      shown_dir=out_dir)
         (out_dir / DATA_MANIFEST).unlink(missing_ok=True)  # from here until it is written, a half-moved folder
         for f in sorted(stage.iterdir(), key=lambda f: f.name == TOKENIZER_FILE):  # reads as no complete build
             os.replace(f, out_dir / f.name)
@@ -441,7 +444,7 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
 
 
 def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int | None, tokenizer_max_bytes: int,
-           decontaminate: float, progress: bool) -> dict:
+           decontaminate: float, progress: bool, shown_dir: Path | None = None) -> dict:
     """Tokenizer and both splits written into `out_dir`; returns the data record (data.json) to write with them."""
     t0 = time.perf_counter()
     tok_bytes = tokenizer_max_bytes if max_bytes is None else min(max_bytes, tokenizer_max_bytes)
@@ -465,6 +468,7 @@ def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int
             docs, tok, out_dir, split,
             source=f"{corpus.description} [{split}]", progress=progress, total=len(corpus.doc_ids(split)),
             extra={"split": split, "max_bytes": max_bytes, "corpus_fingerprint": corpus.fingerprint()},
+            shown_dir=shown_dir,
         )
         timings[f"{split}_s"] = round(time.perf_counter() - t1, 3)
     return {"request": request, "timings": timings, "tokenizer_hash": tok.fingerprint,
