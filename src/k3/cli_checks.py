@@ -34,6 +34,7 @@ def output_file(flag: str, path, example: str | None = None) -> None:
 
 
 PLOT_MAGIC = {".png": b"\x89PNG\r\n\x1a\n", ".svg": b"<", ".pdf": b"%PDF"}  # how each plot file starts
+MATPLOTLIB_PLOTS = tuple(PLOT_MAGIC)  # where savefig takes the format from the suffix
 
 
 def output_png(flag: str, path, example: str = "plot.png", suffixes: tuple[str, ...] = (".png",)) -> None:

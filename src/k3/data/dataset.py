@@ -451,7 +451,7 @@ def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int
     tok = train_tokenizer(corpus.documents("train", max_bytes=tok_bytes), vocab_size,
                           path=out_dir / TOKENIZER_FILE, progress=progress)
     t_tok = time.perf_counter() - t0
-    datasets, timings = {}, {"tokenizer_s": round(t_tok, 3)}
+    timings = {"tokenizer_s": round(t_tok, 3)}
     seen: set[int] = set()
     excluded: list[dict] = []
     for split in ("train", "val"):
@@ -464,7 +464,7 @@ def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int
                 docs = _remember_lines(docs, seen)
         if split == "val":
             docs = _not_empty(docs, corpus.description, excluded, decontaminate)
-        datasets[split] = build_dataset(
+        build_dataset(
             docs, tok, out_dir, split,
             source=f"{corpus.description} [{split}]", progress=progress, total=len(corpus.doc_ids(split)),
             extra={"split": split, "max_bytes": max_bytes, "corpus_fingerprint": corpus.fingerprint()},

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_dir, output_file, output_png, seed as seed_type
+from k3.cli_checks import MATPLOTLIB_PLOTS, at_least, output_dir, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
@@ -460,7 +460,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     at_least(args, 1, "--n")
     for flag, path in (("--out", args.out), ("--markdown", args.markdown)):
         output_file(flag, path)
-    output_png("--plot", args.plot, "gap.png", (".png", ".svg", ".pdf"))
+    output_png("--plot", args.plot, "gap.png", MATPLOTLIB_PLOTS)
     _model_names(args)
     gap_metrics = _run_metrics("--gap-run", args.gap_run) if args.gap_run else None
     if gap_metrics is not None and not any(r.get("kind") == "eval" and r.get("gap") for r in read_metrics(gap_metrics)):
@@ -550,7 +550,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from k3.distill.evaluate import plot_gaps
     from k3.train.metrics import read_metrics
 
-    output_png("--out", args.out, "gap.png", (".png", ".svg", ".pdf"))
+    output_png("--out", args.out, "gap.png", MATPLOTLIB_PLOTS)
     path = Path(args.run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} not found; pass the --out directory of a `k3 distill mopd` run")

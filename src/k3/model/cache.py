@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3.config import KDA
+
 
 @dataclass
 class KDACache:
@@ -198,12 +200,15 @@ class HybridCache:
         return None
 
     def check(self, config, batch: int) -> None:
-        """Every slot's tensors must have the shapes `config` gives them and the batch `batch` (a ValueError names
-        the slot and the shape); checked before a forward touches any slot, so a cache of another model or batch
-        fails without being half advanced."""
+        """Every slot is of its layer's kind and its tensors have the shapes `config` gives them and the batch `batch`
+        (a ValueError names the slot and the shape); checked before a forward touches any slot, so a cache of another
+        model or batch fails without being half advanced."""
         fix = "make the cache with model.new_cache() (one per model and batch of sequences)"
         H, K, W = config.kda_heads, config.kda_head_dim, config.kda_conv_size
-        for i, slot in enumerate(self.slots):
+        for i, (kind, slot) in enumerate(zip(config.pattern, self.slots)):
+            if not isinstance(slot, KDACache if kind == KDA else MLACache):
+                raise ValueError(f"cache slot {i} is a {type(slot).__name__}, but layer {i} is "
+                                 f"{'KDA' if kind == KDA else 'MLA'}; make the cache with model.new_cache()")
             if isinstance(slot, KDACache):
                 want = {"conv_state": (batch, 3 * H * K, W - 1), "state": (batch, H, K, K)}
             else:

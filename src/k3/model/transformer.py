@@ -12,7 +12,7 @@ from torch import nn
 
 from k3.config import KDA, K3Config
 from k3.model.attnres import AttnRes
-from k3.model.cache import HybridCache, KDACache, MLACache
+from k3.model.cache import HybridCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import MoE, SwiGLU
@@ -83,10 +83,6 @@ class K3Model(nn.Module):
             raise ValueError(f"cache has {len(cache)} slots but the model has {len(self.layers)} layers; "
                              "make it with model.new_cache()")
         if cache is not None:
-            for i, (kind, slot) in enumerate(zip(self.config.pattern, cache.slots)):
-                if not isinstance(slot, KDACache if kind == KDA else MLACache):
-                    raise ValueError(f"cache slot {i} is a {type(slot).__name__}, but layer {i} is "
-                                     f"{'KDA' if kind == KDA else 'MLA'}; make the cache with model.new_cache()")
             cache.check(self.config, input_ids.shape[0])
         T = input_ids.shape[1]
         seen = cache.seen_tokens if cache is not None else 0

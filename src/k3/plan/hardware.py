@@ -67,12 +67,13 @@ def _is_number(v) -> bool:
 
 def _yaml_hint(v) -> str:
     """PyYAML (YAML 1.1) reads 1e3 or 1.5e12, an exponent without a sign or without a dot, as a string."""
+    if not isinstance(v, str):
+        return ""
     try:
-        float(v) if isinstance(v, str) else None
+        float(v)
     except ValueError:
         return ""
-    return " (YAML reads that as text: write the exponent with a dot and a sign, e.g. 1.0e+3, or the plain number)" \
-        if isinstance(v, str) else ""
+    return " (YAML reads that as text: write the exponent with a dot and a sign, e.g. 1.0e+3, or the plain number)"
 
 
 def _from_dict(d: dict, origin: str) -> Hardware:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import at_least, output_file, output_png, seed as seed_type
+from k3.cli_checks import MATPLOTLIB_PLOTS, at_least, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
@@ -403,7 +403,7 @@ def cmd_plot(args) -> dict:
     if getattr(args, "eval", None) and not eval_path.is_file():
         raise ValueError(f"{eval_path} does not exist; write it with `k3 rl eval --out {eval_path}`")
     out = Path(args.out) if args.out else root / "reward.png"
-    output_png("--out", out, "reward.png", (".png", ".svg", ".pdf"))
+    output_png("--out", out, "reward.png", MATPLOTLIB_PLOTS)
     report = read_eval_report(eval_path) if eval_path.is_file() else None
     path = plot_rewards(runs, out, report=report)
     return {"plot": str(path)}

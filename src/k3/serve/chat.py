@@ -244,16 +244,11 @@ class ChatOutputParser:
                 break
             self._consume(i, out)
             marker = next((t for t in SPECIAL_TOKENS if self.buf.startswith(t)), None)
-            if known:  # the engine says which spans are special tokens
-                if marker is not None and (self.pos, self.pos + len(marker)) in self.markers:
-                    self.buf, self.pos = self.buf[len(marker):], self.pos + len(marker)
-                    self._marker(marker, out)
-                else:
-                    self._consume(2, out)
-            elif marker is not None:
+            # with known spans only a special token the engine recorded there is a marker
+            if marker is not None and (not known or (self.pos, self.pos + len(marker)) in self.markers):
                 self.buf, self.pos = self.buf[len(marker):], self.pos + len(marker)
                 self._marker(marker, out)
-            elif not final and any(t.startswith(self.buf) for t in SPECIAL_TOKENS):
+            elif not known and not final and any(t.startswith(self.buf) for t in SPECIAL_TOKENS):
                 break  # maybe the start of a marker: wait for more text
             else:
                 self._consume(2, out)
