@@ -177,8 +177,11 @@ def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
     """`kill PID` (or a supervisor's terminate) of `k3 train --nproc 2`, SIGINT or SIGHUP sent to it alone: the ranks
     stop with it (subprocess.call killed torchrun only, and the ranks went on training, re-parented to init). And a
     real Ctrl-C on a terminal (a pty), which the tty sends to the whole process group: everything stops too, the
-    launcher not sending it a second time."""
+    launcher not sending it a second time. On SIGTERM and SIGINT (what torchrun passes on) the ranks first agree
+    on a step, save it and say where --resume continues (they lost everything since the last --ckpt-every);
+    SIGHUP keeps its default. After SIGTERM, --resume continues from that step."""
     import fcntl
+    import json
     import pty
     import signal
     import subprocess
@@ -192,8 +195,9 @@ def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
     data, out = tmp_path / "data", tmp_path / "out"
     prepare_data(data, vocab_size=512, max_bytes=40_000)
     log = open(tmp_path / "stderr.txt", "w+")  # a file, not a pipe: ranks that outlive the launcher keep a pipe open
-    cmd = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(data), "--out", str(out),
-           "--nproc", "2", "--ep", "2", "--steps", "100000", "--batch-size", "2", "--seq-len", "16", "-q"]
+    base = [sys.executable, "-m", "k3.cli", "train", "--preset", "tiny", "--data", str(data), "--out", str(out),
+            "--nproc", "2", "--ep", "2", "--batch-size", "2", "--seq-len", "16", "--ckpt-every", "0", "-q"]
+    cmd = [*base, "--steps", "100000"]
     if sig == "ctrl-c":  # a session of its own whose controlling terminal is a pty: the tty driver sends the SIGINT
         master, slave = pty.openpty()
         launcher = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=log, start_new_session=True,
@@ -239,6 +243,19 @@ def test_a_signal_to_the_launcher_stops_torchrun_and_its_ranks(tmp_path, sig):
         while ours() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not ours(), "processes of the run outlived its launcher"
+        latest = out / "checkpoint" / "latest"
+        if sig == "SIGHUP":
+            assert not latest.exists()  # --ckpt-every 0: nothing saved before the end
+            return
+        last = max(json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                   if '"train"' in line)
+        assert latest.read_text().strip() == f"step_{last:06d}", err[-2000:]  # the step the ranks were in, saved
+        assert f"interrupted: `k3 train ... --out {out} --resume` continues from step {last}" in err
+        if sig == "SIGTERM":
+            r = subprocess.run([*base, "--steps", str(last + 1), "--resume"], capture_output=True, text=True,
+                               timeout=300)
+            assert r.returncode == 0 and f"trained to step {last + 1} (1 in this run)" in r.stdout, \
+                r.stdout + r.stderr[-2000:]
     finally:
         for pid in ours():
             os.kill(pid, signal.SIGKILL)

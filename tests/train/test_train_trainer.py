@@ -351,3 +351,43 @@ def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeyp
     monkeypatch.setattr(t3, "save", lambda: real_save() if t3.step < 2 else (_ for _ in ()).throw(OSError(28, "disk full")))
     with pytest.raises(OSError, match="disk full"):
         t3.fit(graceful_interrupt=True)
+
+
+def test_sigterm_saves_the_step_in_progress_like_ctrl_c(tmp_path, fake_data, monkeypatch):
+    """`kill PID`, a supervisor's stop or a scheduler's preemption (SIGTERM) ends a graceful run after the step in
+    progress and saves it, as Ctrl-C does; it killed the run before, losing every step since the last save. A
+    second signal stops at once. The handlers are restored afterwards."""
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("SIGTERM is handled elsewhere in this process")
+    cfg, data = get_config("tiny"), fake_data()
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=6, ckpt_every=0)), data, None, tmp_path)
+    real = t.train_step
+
+    def step():
+        if t.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered while the step runs: the step still completes
+        return real()
+
+    monkeypatch.setattr(t, "train_step", step)
+    result = t.fit(graceful_interrupt=True)
+    assert result.interrupted and result.steps_done == 3 and len(result.losses) == 3
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000003"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+    t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=6, ckpt_every=0)), data, None, tmp_path / "b")
+    real2 = t2.train_step
+
+    def step2():
+        if t2.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the second one: at once, nothing saved
+        return real2()
+
+    monkeypatch.setattr(t2, "train_step", step2)
+    with pytest.raises(KeyboardInterrupt):
+        t2.fit(graceful_interrupt=True)
+    assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint") is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

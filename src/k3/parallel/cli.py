@@ -131,8 +131,9 @@ def run_forwarding_signals(cmd: list[str], timeout: float | None = None) -> int:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if got and rc != 0:
         name = signal.Signals(got[0]).name
-        print(f"k3 train: the distributed run was stopped ({name}); --resume continues from the last checkpoint its "
-              "ranks saved (--ckpt-every)", file=sys.stderr)
+        print(f"k3 train: the distributed run was stopped ({name}); --resume continues from its last checkpoint (the "
+              "ranks save the step they are in when they stop, unless torchrun's shutdown timeout ends them first: "
+              "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default)", file=sys.stderr)
         return 128 + got[0]
     return rc
 
@@ -253,7 +254,7 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
                                   placements=placements, data_info=_data_info(files))
         progress = Progress(trainer, desc=f"train {config.name} x{world}", enabled=ctx.rank == 0 and not args.quiet)
         try:
-            result = trainer.fit(resume=args.resume, on_step=progress.on_step)
+            result = trainer.fit(resume=args.resume, on_step=progress.on_step, graceful_interrupt=True)
         finally:
             progress.close()
         if ctx.rank == 0:
@@ -262,14 +263,18 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
                 print(f"already at step {result.steps_done}: nothing to train; raise --steps to continue")
             else:
                 this_call = f" ({done} in this run)" if done != result.steps_done else ""
+                why = " (interrupted)" if result.interrupted else ""
                 print(f"trained to step {result.steps_done}{this_call}, {result.tokens:,} tokens in all, on {world} "
-                      f"ranks ({dims.describe()}) in {result.elapsed_s / 60:.1f} min; last train loss "
+                      f"ranks ({dims.describe()}) in {result.elapsed_s / 60:.1f} min{why}; last train loss "
                       f"{result.losses[-1]:.4f}")
             print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count; "
                   "k3 eval / sample / export read it as it is)")
+            if result.interrupted:
+                print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
+                      file=sys.stderr, flush=True)
     finally:
         dist.destroy_process_group()
-    return 0
+    return 130 if result.interrupted else 0
 
 
 def cmd_mesh(args: argparse.Namespace) -> int:

@@ -356,8 +356,19 @@ class ParallelTrainer:
         log.info("resumed from %s at step %d on %d ranks", meta["path"], self.step, self.ctx.dims.world)
         return meta
 
-    def fit(self, resume: bool | str = False, on_step=None) -> TrainResult:
+    def _agree_to_stop(self, requested: bool) -> bool:
+        """Whether any rank was asked to stop (a 4-byte all-reduce, MAX): every rank gets the same answer after
+        the same step, so they all save that step together and stop."""
+        flag = torch.tensor([int(requested)], dtype=torch.int32, device=self.ctx.device)
+        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, tag="stop_request")
+        return bool(flag.item())
+
+    def fit(self, resume: bool | str = False, on_step=None, graceful_interrupt: bool = False) -> TrainResult:
+        """Train to `steps`, saving every `ckpt_every` steps and at the end. `graceful_interrupt` (`k3 train`): a
+        SIGINT or SIGTERM to any rank (torchrun passes on what it receives) ends the run on every rank after the
+        same step, which is saved; `interrupted` is set. A second signal stops that rank at once."""
         from k3.train.metrics import MetricsWriter
+        from k3.train.trainer import _GracefulInterrupt
 
         tc = self.tc
         if resume:
@@ -379,6 +390,8 @@ class ParallelTrainer:
         result = TrainResult(steps_done=self.step)
         start = time.perf_counter()
         saved = None
+        agree = graceful_interrupt and self.ckpt_dir is not None  # the same on every rank: all take part or none
+        interrupt = _GracefulInterrupt(agree, announce=self.ctx.rank == 0)
         try:
             while self.step < tc.steps:
                 rec = self.train_step()
@@ -388,9 +401,15 @@ class ParallelTrainer:
                 if on_step is not None:
                     on_step(rec)
                 final = self.step == tc.steps
-                if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final):
+                stop = agree and self._agree_to_stop(interrupt.requested)
+                if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final or stop):
                     saved = self.save()
+                if stop and not final:
+                    result.interrupted = True
+                    log.info("interrupted at step %d: saved a checkpoint of it on every rank", self.step)
+                    break
         finally:
+            interrupt.restore()
             if writer is not None:
                 writer.close()
         result.steps_done, result.tokens = self.step, self.tokens

@@ -703,37 +703,52 @@ class Trainer:
 
 
 class _GracefulInterrupt:
-    """While a single-process run with a checkpoint directory trains, the first Ctrl-C (SIGINT) asks it to stop
-    after the step in progress and save a checkpoint (a step cut half way, e.g. inside the optimizer update,
-    could not be saved as any step); a second Ctrl-C stops at once. Distributed runs keep the default (every rank
-    would have to stop at the same step), as does a caller outside the main thread."""
+    """While a run with a checkpoint directory trains, the first SIGINT (Ctrl-C) or SIGTERM (`kill PID`, a
+    supervisor's stop, `docker stop`, a scheduler's preemption) asks it to stop after the step in progress and save a
+    checkpoint (a step cut half way, e.g. inside the optimizer update, could not be saved as any step); a second one
+    stops at once. A distributed run agrees on the request over all ranks after every step (`ParallelTrainer.fit`),
+    so every rank stops and saves at the same step. A caller outside the main thread keeps the default, and so does
+    a signal that someone else already handles. SIGHUP keeps its default: after a hang-up the terminal the progress
+    bar writes to is gone."""
 
-    def __init__(self, enabled: bool):
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self, enabled: bool, announce: bool = True):
         import signal
         import threading
 
         self.requested = False
-        self._previous = None
-        if not enabled or threading.current_thread() is not threading.main_thread() or (
-                torch.distributed.is_available() and torch.distributed.is_initialized()):
+        self.signal_name: str | None = None
+        self.announce = announce
+        self._previous: dict = {}
+        if not enabled or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            return  # someone else handles SIGINT: leave it to them
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            untouched = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            if signal.getsignal(sig) is untouched:  # someone else handles it (or ignores it): leave it to them
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        import signal
+
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterrupt: finishing this step and saving a checkpoint; press Ctrl-C again to stop at once",
-              file=sys.stderr, flush=True)
+        self.signal_name = signal.Signals(signum).name
+        if self.announce:
+            try:
+                print(f"\n{self.signal_name}: finishing this step and saving a checkpoint; press Ctrl-C again (or send "
+                      "the signal again) to stop at once", file=sys.stderr, flush=True)
+            except OSError:  # no terminal to tell any more: the save matters more
+                pass
 
     def restore(self) -> None:
-        if self._previous is not None:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def _load_record(loads: list[torch.Tensor]) -> dict:
