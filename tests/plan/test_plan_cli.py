@@ -87,7 +87,10 @@ def test_hardware_file_types_are_checked(tmp_path, capsys):
     for field, value, words in (("nvlink_domain", 0.5, "nvlink_domain = 0.5 must be a positive whole number"),
                                 ("nvlink_domain", True, "nvlink_domain = True"),
                                 ("tflops", {"bf16": True}, "tflops.bf16 = True must be a positive number"),
-                                ("memory_gb", True, "memory_gb = True must be a positive number")):
+                                ("memory_gb", True, "memory_gb = True must be a positive number"),
+                                # a unit mistake: every time came out infinite (Infinity in --json, not JSON)
+                                ("nvlink_gb_s", 1e-320, "nvlink_gb_s = 1e-320 GB/s is outside [1e-06, 1e+09] GB/s"),
+                                ("tflops", {"bf16": 3e12}, "tflops.bf16 = 3000000000000.0 TFLOP/s is outside")):
         path = tmp_path / f"{field}.yaml"
         path.write_text(yaml.safe_dump({**base, field: value}))
         code, _, err = _run(capsys, "--hardware", str(path))

@@ -76,6 +76,19 @@ def _yaml_hint(v) -> str:
     return " (YAML reads that as text: write the exponent with a dot and a sign, e.g. 1.0e+3, or the plain number)"
 
 
+RANGE = (1e-6, 1e9)  # in the fields' own units
+UNITS = {"memory_gb": "GB", "hbm_tb_s": "TB/s", "nvlink_gb_s": "GB/s", "network_gb_s": "GB/s"}
+
+
+def _check_range(origin: str, field: str, v: float) -> None:
+    """A size or rate outside [1e-6, 1e9] of its unit is a unit mistake, and the walls' arithmetic on it
+    overflows: 1e-320 GB/s made every time infinite (`Infinity` in --json, which is not JSON)."""
+    if not RANGE[0] <= v <= RANGE[1]:
+        unit = UNITS.get(field, "TFLOP/s")
+        raise ValueError(f"{origin}: {field} = {v!r} {unit} is outside [{RANGE[0]:g}, {RANGE[1]:g}] {unit}; "
+                         f"check the unit (the field is in {unit})")
+
+
 def _from_dict(d: dict, origin: str) -> Hardware:
     if not isinstance(d, dict):
         raise ValueError(f"{origin}: expected a YAML mapping with fields {list(_FIELDS)}")
@@ -88,6 +101,7 @@ def _from_dict(d: dict, origin: str) -> Hardware:
         v = d[f]
         if not _is_number(v) or v <= 0:
             raise ValueError(f"{origin}: {f} = {v!r} must be a positive number{_yaml_hint(v)}")
+        _check_range(origin, f, v)
     v = d["nvlink_domain"]
     if not _is_number(v) or v <= 0 or v != int(v):  # 8.0 is 8; 0.5 is no number of GPUs
         raise ValueError(f"{origin}: nvlink_domain = {v!r} must be a positive whole number of GPUs (e.g. 8)")
@@ -97,6 +111,8 @@ def _from_dict(d: dict, origin: str) -> Hardware:
     for p, v in tf.items():
         if v is not None and (not _is_number(v) or v <= 0):
             raise ValueError(f"{origin}: tflops.{p} = {v!r} must be a positive number or null{_yaml_hint(v)}")
+        if v is not None:
+            _check_range(origin, f"tflops.{p}", v)
     if not tf.get("bf16"):
         raise ValueError(f"{origin}: tflops.bf16 is required (the precision everything can fall back to)")
     return Hardware(name=str(d["name"]), description=str(d.get("description", "")),
