@@ -211,10 +211,14 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
     was_training = model.training
     t0 = time.perf_counter()
     entered = [threading.Event() for _ in range(n)]
+    finished = [threading.Event() for _ in range(n)]
 
     def entry(i: int) -> None:
         entered[i].set()
-        one(i)
+        try:
+            one(i)
+        finally:
+            finished[i].set()
 
     threads = [threading.Thread(target=entry, args=(i,), name=f"k3-rl-episode-{i}", daemon=True) for i in range(n)]
     starting = 0  # threads whose start() was called
@@ -222,7 +226,13 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
         for t in threads:
             starting += 1
             t.start()
-        for t in threads:
+        # our events, not join(): a Ctrl-C inside join() of a live thread marks it stopped on CPython < 3.13
+        # (bpo-45274's fix: later joins return at once while it still runs). Timed waits: a Ctrl-C is acted on
+        # within 0.25 s (one run that waited untimed saw it only when the episodes had ended)
+        for i in range(n):
+            while not finished[i].wait(0.25):
+                pass
+        for t in threads:  # each is past its episode (out of the model): this only waits for it to exit
             t.join()
     except BaseException:
         # a Ctrl-C (or any error) in this thread: stop the episodes before leaving. A daemon thread still inside
@@ -233,6 +243,7 @@ def run_jobs(model, tokenizer, jobs: Sequence[Job], config: EpisodeConfig, *, te
         for i, t in enumerate(threads[:starting]):
             # a Ctrl-C inside Thread.start() can leave a thread that runs but does not look started yet
             if entered[i].wait(min(2.0, max(0.0, deadline - time.monotonic()))):
+                finished[i].wait(max(0.0, deadline - time.monotonic()))
                 t.join(max(0.0, deadline - time.monotonic()))
         raise
     finally:
