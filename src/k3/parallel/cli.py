@@ -99,8 +99,9 @@ def run_forwarding_signals(cmd: list[str], timeout: float | None = None) -> int:
     training with nobody in charge then. torchrun stays in this process group, so what the terminal sends to the
     whole group (Ctrl-C, Ctrl-Z, a hang-up) reaches it and the ranks directly, as it did, and is not sent twice: the
     signals are taken synchronously (sigtimedwait), and one that the kernel sent (si_code > 0, the terminal) is not
-    forwarded. Returns the child's exit code, or 128 + the signal when it ended after one. `timeout` (tests): past it
-    the child is killed and subprocess.TimeoutExpired raised."""
+    forwarded. Returns the child's exit code, or when it ended after a signal: 130 for SIGINT and SIGTERM (the ranks
+    save the step in progress and stop, an interruption as in a single-process run), 128 + the signal otherwise.
+    `timeout` (tests): past it the child is killed and subprocess.TimeoutExpired raised."""
     import signal
     import time
 
@@ -134,7 +135,7 @@ def run_forwarding_signals(cmd: list[str], timeout: float | None = None) -> int:
         print(f"k3 train: the distributed run was stopped ({name}); --resume continues from its last checkpoint (the "
               "ranks save the step they are in when they stop, unless torchrun's shutdown timeout ends them first: "
               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default)", file=sys.stderr)
-        return 128 + got[0]
+        return 130 if got[0] in (signal.SIGINT, signal.SIGTERM) else 128 + got[0]
     return rc
 
 
