@@ -136,7 +136,7 @@ def train(spec: str, cfg, batches: list, steps: int, n_layers: int, batch: int, 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--steps", type=positive_int, default=200)
     ap.add_argument("--quick", action="store_true", help="30 steps, for a smoke test")

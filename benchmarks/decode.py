@@ -166,7 +166,7 @@ def run(preset: str = "long", contexts=(1024, 8192, 65536, HEADLINE_CONTEXT), re
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--preset", default="long")
     ap.add_argument("--contexts", default="1024,8192,65536,262144", help="comma-separated context lengths")

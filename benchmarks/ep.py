@@ -215,7 +215,7 @@ def main(argv=None) -> dict:
     from k3.parallel.launch import run_local
     from k3.parallel.placement import max_over_mean
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats, for smoke tests")
     ap.add_argument("--repeats", type=positive_int, default=None)

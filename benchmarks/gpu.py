@@ -579,7 +579,7 @@ def read_part(path: str, name: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shapes")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")

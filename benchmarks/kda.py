@@ -79,7 +79,7 @@ def summary(ts: list, tokens: int) -> dict:
 
 
 def main() -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shape, few repeats")
     ap.add_argument("--repeats", type=positive_int, default=None, help="timed runs of ours (fla's: 3)")

@@ -223,7 +223,7 @@ def run(preset: str = "long", tokens: int = 1_048_576, chunk: int = 256, decode_
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--preset", default="long")
     ap.add_argument("--tokens", type=int, default=1_048_576)

@@ -103,7 +103,7 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="small shapes (512 tokens), few repeats")
     ap.add_argument("--repeats", type=positive_int, default=None)

@@ -27,7 +27,7 @@ def cpu_flags() -> list[str]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="n = 512, 2 repeats")
     ap.add_argument("--n", type=positive_int, default=2048)

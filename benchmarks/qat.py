@@ -489,7 +489,7 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
     add_run_args(ap)

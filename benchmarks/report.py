@@ -386,7 +386,7 @@ def render(bench_dir: Path, old_block: str = "") -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench-dir", default="runs/bench", type=Path)
     ap.add_argument("--doc", default="docs/benchmarks.md", type=Path)
     args = ap.parse_args()

@@ -44,7 +44,7 @@ def parse_schedule(spec: str) -> list[tuple[str, int]]:
 
 
 def main() -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="runs/rl/exp", help="experiment root with demos.jsonl and tokenizer.json")
     ap.add_argument("--sys", default="none:400,full:200", help="schedule of MODE:STEPS phases")
     ap.add_argument("--batch", type=int, default=8)

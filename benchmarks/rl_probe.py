@@ -78,7 +78,7 @@ def train_probe(pattern: str, probe: str, steps: int, seed: int = 0) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="100 steps per probe (a smoke run)")
     ap.add_argument("--patterns", default="KKKM,MKKK,MMMM")

@@ -130,7 +130,7 @@ def bench(repeats: int, episodes: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--repeats", type=positive_int, default=15)
     ap.add_argument("--episodes", type=positive_int, default=16)

@@ -236,7 +236,7 @@ def summary(rounds: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="a few short requests, one round (smoke test)")
     ap.add_argument("--preset", default="tiny", choices=("tiny", "mini"))

@@ -28,7 +28,7 @@ from k3.train.trainer import TrainConfig, Trainer
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--quick", action="store_true", help="the tiny preset and a few steps, for smoke tests")
     ap.add_argument("--preset", default=None, help="model preset (default mini; tiny with --quick)")

@@ -92,6 +92,49 @@ def test_run_refuses_flags_the_policy_does_not_use(tmp_path, capsys, no_episodes
     assert code == 2 and "--policy http does not use --ckpt, --tokenizer" in err
     code, err = _err(capsys, "run", "--policy", "k3", "--ckpt", "X", "--base-url", "http://h/v1")
     assert code == 2 and "--policy k3 does not use --base-url" in err
+    # the backend's flag too: without --backend ray the episodes ran locally, the address unused and unsaid
+    code, err = _err(capsys, "run", "--tasks", "sqlite-restock", "--ray-address", "127.0.0.1:6379")
+    assert code == 2 and "--ray-address is for --backend ray (this run's backend is process)" in err
+
+
+def test_a_ray_address_where_nothing_listens_fails_at_once():
+    """Ray retried a dead address for minutes with warnings; one connection attempt says so."""
+    import socket
+    import time
+
+    from k3.agentenv.rollout import _check_ray_address
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ValueError, match=f"nothing answers at 127.0.0.1:{port}.*ray start --head"):
+            _check_ray_address(address)
+    assert time.monotonic() - t0 < 10
+    with socket.socket() as s:  # a listening port passes; "auto" is Ray's to resolve
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        _check_ray_address(f"127.0.0.1:{s.getsockname()[1]}")
+    _check_ray_address("auto")
+
+
+def test_pool_workers_share_the_cores(monkeypatch):
+    """Each spawned rollout worker took every core for torch (a k3 policy's model), N workers oversubscribing the
+    machine N times; the pool's initializer gives each its share."""
+    import os
+
+    import torch
+
+    from k3.agentenv.rollout import _pool_worker_init
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        _pool_worker_init(1)
+        assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_run_checks_out_up_front(tmp_path, capsys, no_episodes):

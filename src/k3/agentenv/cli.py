@@ -126,6 +126,9 @@ def _run(args) -> int:
     if unused:
         raise ValueError(f"--policy {args.policy} does not use {', '.join(unused)}; drop "
                          f"{'it' if len(unused) == 1 else 'them'} (or pick the policy that does)")
+    if args.ray_address is not None and args.backend != "ray":  # it ran the episodes locally, saying nothing
+        raise ValueError(f"--ray-address is for --backend ray (this run's backend is {args.backend}); add "
+                         "--backend ray, or drop --ray-address")
     temperature = 0.0 if args.temperature is None else args.temperature
     check_temperature(temperature, "--temperature", hi=1e4 if args.policy == "k3" else None)  # k3's sampler's limit
     output_jsonl("--out", args.out, "rollouts.jsonl")

@@ -167,6 +167,33 @@ def _worker(job: tuple) -> dict:
 BACKENDS = ("process", "ray")
 
 
+def _pool_worker_init(threads: int) -> None:
+    """A pool worker's share of the cores for torch (a `k3` policy runs its model there): each worker used all
+    of them, so N workers oversubscribed the machine N times (two workers ran 7x slower than one on 2 cores)."""
+    import sys
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch is first imported
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def _check_ray_address(address: str) -> None:
+    """A HOST:PORT (or ray://HOST:PORT) where nothing listens: Ray retried the connection for minutes, printing
+    warnings; one connection attempt with a timeout says so at once. 'auto' and other forms go to Ray as they are."""
+    import socket
+
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: nothing answers at {host}:{port} ({e.strerror or e}); start the "
+                         "cluster there (`ray start --head`), fix the address, or drop --ray-address for a local "
+                         "Ray instance") from None
+
+
 def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers: int = 2,
                  seed: int = 0, out: str | os.PathLike | None = None,
                  config: EpisodeConfig | None = None, progress: bool = False,
@@ -209,7 +236,9 @@ def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers
                 done(i, _worker(job))
         else:
             ctx = mp.get_context("spawn")  # no fork of a process that holds threads and pipes
-            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            threads = max(1, (os.cpu_count() or 1) // workers)
+            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_pool_worker_init,
+                                        initargs=(threads,)) as pool:
                 futs = {pool.submit(_worker, job): i for i, job in enumerate(jobs)}
                 for fut in cf.as_completed(futs):
                     try:
@@ -237,6 +266,7 @@ def _run_ray(jobs: list[tuple], done, workers: int, address: str | None) -> None
     if started:
         kwargs = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
         if address:
+            _check_ray_address(address)
             ray.init(address=address, **kwargs)
         else:
             ray.init(num_cpus=workers, **kwargs)
