@@ -20,6 +20,7 @@ def test_mesh_command(capsys):
     assert main(["mesh", "--preset", "mini", "--nproc", "16", "--ep", "8", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert "pp 2 x dp 8" in out and "8 per EP rank" in out
+    assert "routed expert params per rank ~2.75M, other params per rank ~669K" in out  # was ~0.003B, ~0.001B
     assert "layer 4: 3" in out  # Block AttnRes: the embedding + two finished blocks cross the boundary
     assert main(["mesh", "--preset", "mini", "--nproc", "64", "--ep", "7"]) == 2
 
