@@ -28,3 +28,43 @@ def test_rejects_read_modes(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         with atomic_open(tmp_path / "x", "rb"):
             pass
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write(tmp_path):
+    """A process killed between writing its temporary file and the rename leaves `.NAME.PID-*.tmp` behind; the next
+    write of the same target removes it (its process is gone), not one a live process is writing, nor another
+    target's. The export of an MX checkpoint refused a folder holding such a file from its `latest`."""
+    import os
+
+    target = tmp_path / "latest"
+    dead = tmp_path / ".latest.999999999-abc.tmp"  # no such process
+    live = tmp_path / f".latest.{os.getppid()}-abc.tmp"  # a live process (the parent), writing now
+    other = tmp_path / ".other.999999999-abc.tmp"
+    for p in (dead, live, other):
+        p.write_text("partial")
+    atomic_write_text(target, "step_000003\n")
+    assert target.read_text() == "step_000003\n"
+    assert not dead.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+
+
+def test_an_hf_export_killed_between_its_renames_is_recovered(tmp_path):
+    """Killed after moving the previous export aside and before moving the new one in, an HF export left no `hf`
+    folder, the previous one only under `.hf.old-*`; the next export puts it back (or removes it when the new one
+    is in place) and removes the unfinished `.hf.tmp-*`."""
+    import os
+
+    from k3.serve.hf import _recover_killed_export
+
+    out = tmp_path / "hf"
+    old = tmp_path / ".hf.old-999999999-abc"
+    tmp = tmp_path / ".hf.tmp-999999999-def"
+    running = tmp_path / f".hf.tmp-{os.getppid()}-xyz"  # a live export's: left alone
+    for d in (old, tmp, running):
+        d.mkdir()
+    (old / "config.json").write_text("{}")
+    _recover_killed_export(out)
+    assert (out / "config.json").read_text() == "{}" and not old.exists() and not tmp.exists() and running.is_dir()
+    old.mkdir()  # the new export was in place: the old one is only removed
+    _recover_killed_export(out)
+    assert not old.exists() and (out / "config.json").is_file()

@@ -3,7 +3,8 @@
 Every file k3 writes (tokenizers, datasets, checkpoints, metrics, plots, tasks, benchmark results)
 goes through `atomic_open`: a temporary file beside the target, fsync, `os.replace`, then an fsync of
 the directory so the rename itself survives a crash. On any error the temporary file is removed and the
-target is left as it was.
+target is left as it was. A process killed in between (SIGKILL, power loss) leaves its temporary file,
+named `.TARGET.PID-*.tmp`; the next write of the same target removes those of processes that are gone.
 """
 from __future__ import annotations
 
@@ -38,6 +39,39 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> None:
+    """Remove the temporary files that writers of `path` killed before their rename left beside it (their process
+    is gone); those of a live process, this one included, are its writes in progress."""
+    path = Path(path)
+    prefix = f".{path.name}."
+    try:
+        names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and n.endswith(".tmp")]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path.parent / name)
+
+
+def temp_prefix(path: Path) -> str:
+    """The name prefix of a temporary file beside `path`: it names this process, so a leftover can be told from a
+    write in progress (`remove_stale_temporaries`)."""
+    return f".{path.name}.{os.getpid()}-"
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`."""
@@ -45,7 +79,8 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise ValueError(f"atomic_open writes whole files; mode {mode!r} must contain 'w'")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
     try:
         default_mode(tmp)  # mkstemp makes 0600; give the file the mode open() would
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:

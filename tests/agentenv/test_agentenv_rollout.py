@@ -67,3 +67,53 @@ def test_unknown_backend():
 
     with pytest.raises(ValueError, match="backend 'dask' is unknown"):
         run_rollouts(load_tasks("pyfix-median"), {"kind": "noop"}, 1, backend="dask")
+
+
+def test_a_killed_run_takes_its_pool_workers_with_it(sandbox, tmp_path):
+    """SIGKILL of `k3 agentenv run --workers 2` (the OOM killer, `kill -9`) left both workers running episodes for
+    nobody, re-parented to init; they now die with the run (PR_SET_PDEATHSIG), and the pool's helper with them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def children(pid: int) -> list[int]:
+        found = []
+        for d in os.listdir("/proc"):
+            try:
+                if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+        return found
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    run = subprocess.Popen([sys.executable, "-m", "k3.cli", "agentenv", "run", "--tasks", "files", "--episodes",
+                            "500", "--workers", "2", "--out", str(tmp_path / "r.jsonl")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(kids) < 3 and time.monotonic() < deadline:  # two workers and multiprocessing's resource tracker
+            assert run.poll() is None
+            time.sleep(0.2)
+            kids = children(run.pid)
+        assert len(kids) >= 3, kids
+        time.sleep(1.0)  # the workers are inside episodes
+        run.send_signal(signal.SIGKILL)
+        run.wait(30)
+        deadline = time.monotonic() + 20
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [k for k in kids if alive(k)], "processes of the killed run outlived it"
+    finally:
+        run.kill()
+        for k in kids:
+            if alive(k):
+                os.kill(k, signal.SIGKILL)

@@ -221,6 +221,36 @@ def test_prepare_data_builds_reuses_and_rebuilds(text_dir, tmp_path):
     assert "other" in prepare_data(out, str(other), vocab_size=280, force=True).info["request"]["source"]
 
 
+def test_a_rebuild_killed_while_moving_in_is_not_loaded_as_data(text_dir, tmp_path):
+    """A rebuild killed part way through moving its files in left a new train split beside the old validation
+    split (and the old document starts): `load_data` read the mix without error and `k3 train` trained on it. Now
+    a folder whose build did not finish is refused, and document starts of another build are named. The staging
+    folder of a killed build is removed by the next build; one of a build still running is left alone."""
+    import os
+    import shutil
+
+    import numpy as np
+
+    out = tmp_path / "data"
+    prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0)
+    (out / "data.json").unlink()  # as the rebuild leaves it until its files are in
+    with pytest.raises(ValueError, match="holds a build that did not finish .* `k3 tokenize --out "):
+        load_data(out)
+    prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0)
+    starts = np.load(out / "val.docs.npy")
+    np.save(out / "val.docs.npy", np.concatenate([starts, starts[-1:] + 10**6]))  # another build's, longer
+    with pytest.raises(ValueError, match="val.docs.npy does not match .*val.json"):
+        load_data(out)
+    prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0, force=True)
+    dead = out / ".k3-build-999999999-abc"  # no such process
+    live = out / f".k3-build-{os.getpid()}-abc"
+    for d in (dead, live):
+        d.mkdir()
+    prepare_data(out, str(text_dir), vocab_size=512, decontaminate=0, force=True)
+    assert not dead.exists() and live.is_dir()
+    shutil.rmtree(live)
+
+
 def test_cli_tokenize(text_dir, tmp_path, capsys):
     out = tmp_path / "cli"
     # the corpus's one validation file (__phello__/spam.py) is a copy of a training file: by default it is

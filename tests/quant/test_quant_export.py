@@ -188,6 +188,11 @@ def test_export_refuses_bad_requests(tmp_path):
     with pytest.raises(ValueError, match="is a file"):
         export_mx(src, run / "metrics.jsonl")
     assert export_mx(src, tmp_path / "ex", overwrite=True).name == "step_000007"
+    # an export killed just before its `latest` was renamed into place leaves `.latest.PID-*.tmp`: every later
+    # export into that folder was refused as "holds .latest....tmp, which an MX export does not write"
+    (tmp_path / "ex" / ".latest.999999999-abc.tmp").write_text("step_000007\n")
+    assert export_mx(src, tmp_path / "ex", overwrite=True).name == "step_000007"
+    assert not (tmp_path / "ex" / ".latest.999999999-abc.tmp").exists()
     # an export of an earlier step replaces a later one whole, rather than leaving it beside the new one
     export_mx(src, tmp_path / "later")
     m = K3Model(get_config("tiny", qat=K3_QAT))

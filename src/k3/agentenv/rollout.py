@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from k3.fileio import remove_stale_temporaries, temp_prefix
+
 from .actions import execute
 from .dialects import DIALECTS, ParseError, choose_variant, make_dialect
 from .policies import EpisodeInfo, Policy, make_policy
@@ -167,14 +169,26 @@ def _worker(job: tuple) -> dict:
 BACKENDS = ("process", "ray")
 
 
-def _pool_worker_init(threads: int) -> None:
+def _pool_worker_init(threads: int, parent: int | None = None) -> None:
     """A pool worker's share of the cores for torch (a `k3` policy runs its model there): each worker used all
-    of them, so N workers oversubscribed the machine N times (two workers ran 7x slower than one on 2 cores)."""
+    of them, so N workers oversubscribed the machine N times (two workers ran 7x slower than one on 2 cores).
+    On Linux the worker also dies with `parent` (PR_SET_PDEATHSIG): a run killed with SIGKILL, which cannot
+    clean up, left its workers running episodes for nobody."""
     import sys
 
     os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch is first imported
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
+    if parent is not None and sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the call: nobody will collect this worker's work
+            os._exit(1)
 
 
 def _check_ray_address(address: str) -> None:
@@ -238,7 +252,7 @@ def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers
             ctx = mp.get_context("spawn")  # no fork of a process that holds threads and pipes
             threads = max(1, (os.cpu_count() or 1) // workers)
             with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_pool_worker_init,
-                                        initargs=(threads,)) as pool:
+                                        initargs=(threads, os.getpid())) as pool:
                 futs = {pool.submit(_worker, job): i for i, job in enumerate(jobs)}
                 for fut in cf.as_completed(futs):
                     try:
@@ -301,7 +315,8 @@ class _JsonlWriter:
     def __init__(self, path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        remove_stale_temporaries(self.path)  # those of runs that were killed
+        fd, self.tmp = tempfile.mkstemp(dir=self.path.parent, prefix=temp_prefix(self.path), suffix=".tmp")
         self.fh = os.fdopen(fd, "w")
 
     def write(self, rec):

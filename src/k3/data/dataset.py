@@ -37,7 +37,7 @@ from k3.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
-from k3.fileio import atomic_open, atomic_write_text
+from k3.fileio import atomic_open, atomic_write_text, pid_alive
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +103,14 @@ class PackedDataset:
         except (OSError, ValueError, EOFError) as e:
             raise ValueError(f"{root / m['doc_starts']} cannot be read ({type(e).__name__}: {e}): the dataset is "
                              f"damaged; {rebuild}") from None
+        # another build's document starts (a rebuild interrupted while its files were moved in) load without error
+        n_docs = m.get("n_docs")
+        starts = self.doc_starts
+        if (starts.ndim != 1 or (isinstance(n_docs, int) and len(starts) != n_docs)
+                or (len(starts) and (starts.min() < 0 or starts.max() >= max(self.n_tokens, 1)))):
+            raise ValueError(f"{root / m['doc_starts']} does not match {self.manifest_path} ({len(starts)} document "
+                             f"starts for {n_docs} documents of {self.n_tokens} tokens): the dataset is damaged; "
+                             f"{rebuild}")
 
     # ------------------------------------------------------------------ facts
     def __len__(self) -> int:
@@ -294,8 +302,13 @@ class DataFiles:
 def load_data(out_dir: str | os.PathLike) -> DataFiles:
     """Tokenizer + train/val datasets written by `prepare_data` / `k3 tokenize`, checked to match."""
     out_dir = Path(out_dir)
-    tok = load_tokenizer(out_dir / TOKENIZER_FILE)
     info_path = out_dir / DATA_MANIFEST
+    if (out_dir / DATA_MARK).is_file() and not info_path.is_file():
+        # a build removes data.json before it moves its files in and writes it last: without it the folder may
+        # mix two builds' files (a new train split beside the old validation split), which load without error
+        raise ValueError(f"{out_dir} holds a build that did not finish (no {DATA_MANIFEST}); rebuild it: run the "
+                         f"`k3 tokenize --out {out_dir} ...` that built it again")
+    tok = load_tokenizer(out_dir / TOKENIZER_FILE)
     info = {}
     if info_path.is_file():  # a description of how the data was made; training does not need it
         try:
@@ -430,7 +443,8 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
     atomic_write_text(out_dir / DATA_MARK, "data built by k3 (k3 tokenize / k3 train); rebuilt in place\n")
     # built in a staging folder and moved in only when complete: a build that fails (or is interrupted) leaves
     # the data that was there as it was
-    stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out_dir))
+    _remove_stale_stages(out_dir)
+    stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out_dir))
     try:
         info = _build(stage, corpus, request, vocab_size, max_bytes, tokenizer_max_bytes, decontaminate, progress,
                       shown_dir=out_dir)
@@ -441,6 +455,15 @@ def prepare_data(out_dir: str | os.PathLike, spec: str | None = None, *, vocab_s
         shutil.rmtree(stage, ignore_errors=True)
     atomic_write_text(out_dir / DATA_MANIFEST, json.dumps(info, indent=2) + "\n")
     return load_data(out_dir)
+
+
+def _remove_stale_stages(out_dir: Path) -> None:
+    """Staging folders of builds whose process is gone (killed): named `.k3-build-PID-*`, they are left alone while
+    that process runs (a build beside this one)."""
+    for stage in out_dir.glob(f"{STAGE_PREFIX}*"):
+        pid = stage.name[len(STAGE_PREFIX):].split("-", 1)[0]
+        if stage.is_dir() and not (pid.isdigit() and pid_alive(int(pid))):
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def _build(out_dir: Path, corpus, request: dict, vocab_size: int, max_bytes: int | None, tokenizer_max_bytes: int,

@@ -171,7 +171,8 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
         raise ValueError(f"--out {out} is a file; the export is a checkpoint directory: give a directory")
     held = [p for _, p in ckpt.step_dirs(out)] if out.is_dir() else []
     other = sorted(p.name for p in out.iterdir() if p not in held and p.name != ckpt.LATEST
-                   and not p.name.startswith(".step_")) if out.is_dir() else []
+                   and not p.name.startswith((".step_", f".{ckpt.LATEST}."))) if out.is_dir() else []
+    # (.step_* folders and .latest.*.tmp files: what a save killed part way leaves; the next save removes them)
     if other:  # e.g. a training run's folder: its checkpoint/ beside a step_* export would confuse `--ckpt OUT`
         raise ValueError(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which an "
                          "MX export does not write; give the export an --out of its own (a new or empty directory)")

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
-from k3.fileio import default_mode, fsync_dir
+from k3.fileio import default_mode, fsync_dir, pid_alive
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
 from k3.model.transformer import K3Model
@@ -349,6 +349,22 @@ def _is_hf_export(path: Path) -> bool:
         return False
 
 
+def _recover_killed_export(out: Path) -> None:
+    """What an export killed part way left beside `out` (its process gone): its unfinished `.OUT.tmp-PID-*`
+    folder is removed; the previous export it had moved aside (`.OUT.old-PID-*`) goes back to `out` if the kill
+    came before the new one took its place, and is removed otherwise."""
+    for kind in (".tmp-", ".old-"):
+        for d in sorted(out.parent.glob(f".{out.name}{kind}*")):
+            pid = d.name[len(out.name) + 1 + len(kind):].split("-", 1)[0]
+            if not d.is_dir() or not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            if kind == ".old-" and not out.exists():
+                log.warning("restoring %s: an export that replaced it was killed before the new one was in place", out)
+                os.rename(d, out)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+
+
 def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
               tokenizer_path: str | os.PathLike | None = None) -> Path:
     """Convert a k3 training checkpoint (a step directory, or a root holding `latest`) into an HF directory:
@@ -389,6 +405,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     # generate() stops where the server does: <|eos|>, the end of a turn, or the start of a new one.
     hf.generation_config.eos_token_id = [EOS] + [SPECIAL_TOKENS.index(t) for t in STOP_TOKENS]
     out.parent.mkdir(parents=True, exist_ok=True)
+    _recover_killed_export(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
@@ -399,7 +416,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
                 default_mode(f)
         old = None
         if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(out, old)
         os.rename(tmp, out)
         fsync_dir(out.parent)

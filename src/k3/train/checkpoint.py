@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.fileio import atomic_write_text, default_mode
+from k3.fileio import atomic_write_text, default_mode, pid_alive
 from k3.fileio import fsync_dir as _fsync_dir
 
 log = logging.getLogger(__name__)
@@ -250,20 +250,10 @@ def _remove_stale_temporaries(root: Path) -> None:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name):
             pid = p.name.rsplit(".tmp-", 1)[-1].split("-")[0] if ".tmp-" in p.name else ""
-            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
                 continue  # another live process is saving here right now
             log.info("removing incomplete checkpoint %s", p)
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _prune(root: Path, keep_last: int, protect: str) -> None:
