@@ -140,3 +140,36 @@ def test_ids_outside_the_vocabulary_and_non_integers_are_named(tok):
         tok.encode_batch("abc")
     with pytest.raises(ValueError, match="item 1 is int 3"):
         tok.encode_batch(["a", 3])
+
+
+def test_a_build_killed_between_the_tokenizer_and_its_settings_is_built_again(tmp_path, monkeypatch):
+    """`k3 rl warmstart` and `k3 distill teachers` wrote the tokenizer, then its settings: a kill between the two
+    left a tokenizer with no record, reused from then on whatever --vocab-size asked (or beside the previous
+    build's record). `install_tokenizer` removes the tokenizer first, records, then saves: a failure at any point
+    leaves no tokenizer, so the next run builds it again."""
+    from k3.data import tokenizer as tkz
+    from k3.data.tokenizer import install_tokenizer, reuse_built_tokenizer, train_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    old = train_tokenizer(["def f(x):\n    return x + 1\n"] * 20, 300, allow_short=True)
+    install_tokenizer(old, path, {"vocab_size": 300})
+    assert reuse_built_tokenizer(path, {"vocab_size": 300}, False, "")
+    new = train_tokenizer(["class A:\n    pass\n"] * 20, 280, allow_short=True)
+
+    def die(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    for where in ("record_tokenizer_settings", "save"):
+        target = tkz if where == "record_tokenizer_settings" else tkz.Tokenizer
+        with monkeypatch.context() as m:
+            m.setattr(target, where, die)
+            with pytest.raises(KeyboardInterrupt):
+                install_tokenizer(new, path, {"vocab_size": 280})
+        assert not path.exists()  # nothing to reuse: the next run builds it
+        assert not reuse_built_tokenizer(path, {"vocab_size": 300}, False, "")
+    install_tokenizer(new, path, {"vocab_size": 280})
+    assert reuse_built_tokenizer(path, {"vocab_size": 280}, False, "")
+    with pytest.raises(ValueError, match="other settings"):
+        reuse_built_tokenizer(path, {"vocab_size": 300}, False, "")
+    install_tokenizer(new, path, None)  # given as a file: no record of settings it was not built from
+    assert not (tmp_path / tkz.SETTINGS_FILE).exists() and path.is_file()

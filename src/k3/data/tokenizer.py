@@ -204,7 +204,7 @@ def reuse_built_tokenizer(tok_path: str | os.PathLike, want: dict, overwrite: bo
     """Whether the tokenizer at `tok_path` is to be loaded as it is: True when it exists and was built with `want`
     (the settings recorded beside it) or no settings were recorded (an older one, or one given as a file); False
     when it has to be built (none there, or other settings and `overwrite`). Other settings without `overwrite`
-    raise ValueError naming them, then `fix`. A new build records its settings with `record_tokenizer_settings`."""
+    raise ValueError naming them, then `fix`. A new build is saved with its settings by `install_tokenizer`."""
     import json
 
     tok_path = Path(tok_path)
@@ -228,6 +228,21 @@ def record_tokenizer_settings(tok_path: str | os.PathLike, want: dict) -> None:
     import json
 
     atomic_write_text(Path(tok_path).parent / SETTINGS_FILE, json.dumps(want, indent=1) + "\n")
+
+
+def install_tokenizer(tok: "Tokenizer", tok_path: str | os.PathLike, settings: dict | None) -> None:
+    """Save `tok` at `tok_path` with the settings it was built from recorded beside it (None: a tokenizer given as
+    a file, whose record is removed). In this order, a process killed at any point leaves either no tokenizer
+    (the next run builds it again) or the tokenizer beside its own record: written the other way round, a kill
+    between the two files left a new tokenizer with no record (reused from then on whatever the flags asked) or
+    beside the previous one's."""
+    tok_path = Path(tok_path)
+    tok_path.unlink(missing_ok=True)
+    if settings is None:
+        (tok_path.parent / SETTINGS_FILE).unlink(missing_ok=True)
+    else:
+        record_tokenizer_settings(tok_path, settings)
+    tok.save(tok_path)
 
 
 LONG_LINE = 10_000  # characters: the BPE trainer's time grows with the square of one unbroken run's length

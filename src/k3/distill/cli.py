@@ -169,7 +169,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     cells = _parse_cells(args.cells)
     out.mkdir(parents=True, exist_ok=True)
     domains = make_domains()
-    from k3.data.tokenizer import SETTINGS_FILE, record_tokenizer_settings, reuse_built_tokenizer
+    from k3.data.tokenizer import install_tokenizer, reuse_built_tokenizer
 
     tok_path = out / "tokenizer.json"
     want = {"vocab_size": args.vocab_size, "seed": args.seed}  # what a tokenizer built here is made from
@@ -179,15 +179,13 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         if tok_path.is_file() and load_tokenizer(tok_path).fingerprint != tok.fingerprint and not args.overwrite:
             raise ValueError(f"{tok_path} holds another tokenizer; teachers in one directory share one (pass "
                              "--overwrite to replace it and retrain everything, or another --out)")
-        tok.save(tok_path)
-        (out / SETTINGS_FILE).unlink(missing_ok=True)  # given, not built from settings
+        install_tokenizer(tok, tok_path, None)  # given, not built from settings: no record
     elif reuse_built_tokenizer(tok_path, want, args.overwrite, "Pass the same flags, --overwrite to rebuild it and "
                                "retrain every stage, or another --out", warn_unrecorded=False):
         tok = load_tokenizer(tok_path)  # built with these settings, given earlier, or from an older k3
     if tok is None:
-        tok = train_tokenizer(tokenizer_texts(domains, seed=args.seed), args.vocab_size, path=tok_path,
-                              allow_short=True)
-        record_tokenizer_settings(tok_path, want)
+        tok = train_tokenizer(tokenizer_texts(domains, seed=args.seed), args.vocab_size, allow_short=True)
+        install_tokenizer(tok, tok_path, want)
         print(f"tokenizer  {tok_path} ({tok.vocab_size} tokens, trained on the three domains)")
     if any(s.startswith("vocab_size=") for s in args.set) and config.vocab_size != tok.vocab_size:
         raise ValueError(f"--set vocab_size={config.vocab_size} differs from the tokenizer's {tok.vocab_size}; drop it")

@@ -165,11 +165,11 @@ def _reuse_tokenizer(root: Path, args) -> bool:
 
 
 def _warmstart_tokenizer(root: Path, demos: list, args, make_tokenizer, reuse: bool):
-    from k3.data.tokenizer import record_tokenizer_settings
+    from k3.data.tokenizer import install_tokenizer
     if reuse:
         return _tokenizer(root)
-    tok = make_tokenizer(root, demos, args.vocab_size, args.tokenizer_prompts)
-    record_tokenizer_settings(root / "tokenizer.json", _tokenizer_settings(args))
+    tok = make_tokenizer(None, demos, args.vocab_size, args.tokenizer_prompts)
+    install_tokenizer(tok, root / "tokenizer.json", _tokenizer_settings(args))
     return tok
 
 

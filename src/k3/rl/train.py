@@ -46,13 +46,16 @@ def _seed(*parts) -> int:
 
 
 # ---------------------------------------------------------------------------------------- setup
-def make_tokenizer(out: str | os.PathLike, demo_records: Sequence[dict], vocab_size: int = 1024, n_prompts: int = 400):
-    """Byte-level BPE on the training harnesses' system prompts and the demonstrations' messages.
-    The unseen harness's names are not in its training text (they still encode, byte by byte)."""
+def make_tokenizer(out: str | os.PathLike | None, demo_records: Sequence[dict], vocab_size: int = 1024,
+                   n_prompts: int = 400):
+    """Byte-level BPE on the training harnesses' system prompts and the demonstrations' messages, saved as
+    OUT/tokenizer.json (`out` None: not saved). The unseen harness's names are not in its training text (they
+    still encode, byte by byte)."""
     from k3.data.tokenizer import train_tokenizer
     texts = [make_dialect(choose_variant(s)).system_prompt() for s in range(n_prompts)]
     texts += [m["content"] for r in demo_records for m in r["transcript"][1:]]
-    return train_tokenizer(texts, vocab_size, path=Path(out) / "tokenizer.json", allow_short=True)
+    return train_tokenizer(texts, vocab_size, path=None if out is None else Path(out) / "tokenizer.json",
+                           allow_short=True)
 
 
 def read_demos(path: str | os.PathLike) -> tuple[dict | None, list[dict]]:
