@@ -357,7 +357,6 @@ def test_sigterm_saves_the_step_in_progress_like_ctrl_c(tmp_path, fake_data, mon
     """`kill PID`, a supervisor's stop or a scheduler's preemption (SIGTERM) ends a graceful run after the step in
     progress and saves it, as Ctrl-C does; it killed the run before, losing every step since the last save. A
     second signal stops at once. The handlers are restored afterwards."""
-    import os
     import signal
 
     before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an earlier test may have left a handler
