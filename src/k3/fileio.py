@@ -50,6 +50,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def writer_pid(name: str, prefix: str) -> int | None:
+    """The process id a temporary's name carries after `prefix` (`PREFIX<pid>-...`); None when it carries none."""
+    pid = name[len(prefix):].split("-", 1)[0] if name.startswith(prefix) else ""
+    return int(pid) if pid.isdigit() else None
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> None:
     """Remove the temporary files that writers of `path` killed before their rename left beside it (their process
     is gone); those of a live process, this one included, are its writes in progress."""
@@ -60,8 +66,8 @@ def remove_stale_temporaries(path: str | os.PathLike) -> None:
     except OSError:
         return
     for name in names:
-        pid = name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        pid = writer_pid(name, prefix)
+        if pid is not None and pid != os.getpid() and not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(path.parent / name)
 

@@ -37,7 +37,7 @@ from k3.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
-from k3.fileio import atomic_open, atomic_write_text, pid_alive
+from k3.fileio import atomic_open, atomic_write_text, pid_alive, writer_pid
 
 if TYPE_CHECKING:
     import torch
@@ -461,8 +461,8 @@ def _remove_stale_stages(out_dir: Path) -> None:
     """Staging folders of builds whose process is gone (killed): named `.k3-build-PID-*`, they are left alone while
     that process runs (a build beside this one)."""
     for stage in out_dir.glob(f"{STAGE_PREFIX}*"):
-        pid = stage.name[len(STAGE_PREFIX):].split("-", 1)[0]
-        if stage.is_dir() and not (pid.isdigit() and pid_alive(int(pid))):
+        pid = writer_pid(stage.name, STAGE_PREFIX)
+        if stage.is_dir() and not (pid is not None and pid_alive(pid)):
             shutil.rmtree(stage, ignore_errors=True)
 
 

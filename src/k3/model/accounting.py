@@ -25,6 +25,14 @@ COMPONENTS = (
 )
 
 
+def format_count(n: float, spec: str = ",.3f") -> str:
+    """A parameter count in T, B, M or K (`spec` formats the number), or as it is below a thousand."""
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:{spec}}{unit}"
+    return str(round(n))
+
+
 def build_meta(config: K3Config) -> K3Model:
     """The model on the meta device: shapes and counts without memory."""
     with torch.device("meta"):

@@ -38,15 +38,8 @@ def config_from_args(args: argparse.Namespace) -> K3Config:
     return K3Config.from_dict(base)
 
 
-def _fmt(n: int) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= div:
-            return f"{n / div:,.3f}{unit}"
-    return str(n)
-
-
 def cmd_params(args: argparse.Namespace) -> int:
-    from k3.model.accounting import build_meta, count_params
+    from k3.model.accounting import build_meta, count_params, format_count
 
     cfg = config_from_args(args)
     counts = count_params(build_meta(cfg))
@@ -61,7 +54,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     print(f"{'component':<{c}}{'total':>{w}}{'active':>{w}}")
     for comp, total, active in rows:
         print(f"{comp:<{c}}{total:>{w},}{active:>{w},}")
-    print(f"total {_fmt(counts['total'])}, active {_fmt(counts['active'])}; "
+    print(f"total {format_count(counts['total'])}, active {format_count(counts['active'])}; "
           f"{counts['layers']['kda']} KDA + {counts['layers']['mla']} MLA layers, " + (
               f"{counts['active_experts']}/{counts['experts']} experts, latent {counts['latent_dim']}"
               if cfg.n_dense_layers < cfg.n_layers else "no MoE layer (every layer dense)"))

@@ -278,17 +278,10 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
     return 130 if result.interrupted else 0
 
 
-def _count(n: float) -> str:
-    """A parameter count with three significant digits in B, M or K: `tiny` printed ~0.000B per rank."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the layout of `--nproc` ranks: groups, experts per rank, parameters per rank."""
-    from k3.model.accounting import a2a_bytes_per_token, build_meta, count_params, pipeline_sources
+    from k3.model.accounting import (a2a_bytes_per_token, build_meta, count_params, format_count,
+                                     pipeline_sources)
     from k3.model.cli import config_from_args
     from k3.parallel.pipeline import stage_layers
     from k3.parallel.placement import contiguous_placement
@@ -312,8 +305,8 @@ def cmd_mesh(args: argparse.Namespace) -> int:
         contiguous_placement(config.n_experts, dims.ep)
     lines = [dims.describe(),
              f"{config.name}: {config.n_experts} experts -> {config.n_experts // dims.ep} per EP rank; routed expert "
-             f"params per rank ~{_count(per_stage[0] / dims.ep)}, other params per rank ~"
-             f"{_count(per_stage[1] / dims.fsdp_size)} (FSDP shard)",
+             f"params per rank ~{format_count(per_stage[0] / dims.ep, '.3g')}, other params per rank ~"
+             f"{format_count(per_stage[1] / dims.fsdp_size, '.3g')} (FSDP shard)",
              f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes"]
     if dims.pp > 1:
         lines.append("AttnRes sources crossing each stage boundary: " +

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
-from k3.fileio import default_mode, fsync_dir, pid_alive
+from k3.fileio import default_mode, fsync_dir, pid_alive, writer_pid
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
 from k3.model.transformer import K3Model
@@ -355,8 +355,8 @@ def _recover_killed_export(out: Path) -> None:
     came before the new one took its place, and is removed otherwise."""
     for kind in (".tmp-", ".old-"):
         for d in sorted(out.parent.glob(f".{out.name}{kind}*")):
-            pid = d.name[len(out.name) + 1 + len(kind):].split("-", 1)[0]
-            if not d.is_dir() or not pid.isdigit() or pid_alive(int(pid)):
+            pid = writer_pid(d.name, f".{out.name}{kind}")
+            if not d.is_dir() or pid is None or pid_alive(pid):
                 continue
             if kind == ".old-" and not out.exists():
                 log.warning("restoring %s: an export that replaced it was killed before the new one was in place", out)

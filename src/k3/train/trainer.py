@@ -718,7 +718,6 @@ class _GracefulInterrupt:
         import threading
 
         self.requested = False
-        self.signal_name: str | None = None
         self.announce = announce
         self._previous: dict = {}
         if not enabled or threading.current_thread() is not threading.main_thread():
@@ -735,10 +734,9 @@ class _GracefulInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self.signal_name = signal.Signals(signum).name
         if self.announce:
             try:
-                print(f"\n{self.signal_name}: finishing this step and saving a checkpoint; press Ctrl-C again (or send "
+                print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint; press Ctrl-C again (or send "
                       "the signal again) to stop at once", file=sys.stderr, flush=True)
             except OSError:  # no terminal to tell any more: the save matters more
                 pass
