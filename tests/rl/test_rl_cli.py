@@ -4,7 +4,16 @@ import json
 from k3.cli import main
 
 
-def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
+def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok, monkeypatch):
+    from k3.distill.loop import StepLoop
+
+    graceful, real_fit = {}, StepLoop.fit
+
+    def fit(self, step_fn, **kw):  # both stages ask their loop to stop gracefully on SIGINT / SIGTERM
+        graceful[self.manifest_extra["kind"]] = kw.get("graceful_interrupt")
+        return real_fit(self, step_fn, **kw)
+
+    monkeypatch.setattr(StepLoop, "fit", fit)
     root = str(tmp_path / "exp")
     common = ["--root", root, "-q", "--threads", "1"]
     assert main(["rl", "warmstart", *common, "--tasks-per-kind", "1", "--demos-per-task", "1", "--steps", "2",
@@ -17,6 +26,7 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok):
                  "fixed", "--max-turns", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["steps"] == 2 and 0.0 <= out["reward_last"] <= 1.0
+    assert graceful == {"rl-warmstart": True, "rl-grpo": True}
     metrics = [json.loads(x) for x in (tmp_path / "exp/fixed/metrics.jsonl").read_text().splitlines()]
     train = [r for r in metrics if r["kind"] == "train"]
     assert len(train) == 2 and {e["dialect"] for r in train for e in r["episode_log"]} == {"react"}

@@ -231,7 +231,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
             records = run_sft(model, examples, lc(steps, lr), run, resume=latest is not None and args.resume
                               and not args.overwrite, overwrite=args.overwrite,
                               manifest_extra={**extra, **stage_extra}, on_record=bar,
-                              resume_fields={"batch_size": args.batch_size, **stage_extra})
+                              resume_fields={"batch_size": args.batch_size, **stage_extra}, graceful_interrupt=True)
         finally:
             bar.close()
         last = [r for r in records if r.get("kind") == "train"]
@@ -403,7 +403,8 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     try:
         records = run_mopd(student, teachers, tok, domains, mc, lc, out, resume=args.resume, overwrite=args.overwrite,
                            evaluate=evaluate, on_record=bar,
-                           manifest_extra={"student_init": str(student_path), "single_teacher": args.single_teacher})
+                           manifest_extra={"student_init": str(student_path), "single_teacher": args.single_teacher},
+                           graceful_interrupt=True)
     finally:
         bar.close()
     train = [r for r in records if r.get("kind") == "train"]

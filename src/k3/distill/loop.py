@@ -132,8 +132,14 @@ class StepLoop:
 
     def fit(self, step_fn: Callable[[int], dict], *, resume: bool = False, overwrite: bool = False,
             evaluate: Callable[[int], dict | None] | None = None,
-            on_record: Callable[[dict], None] | None = None) -> list[dict]:
-        """Train to `steps` (or the token budget); returns this call's records (train and eval)."""
+            on_record: Callable[[dict], None] | None = None, graceful_interrupt: bool = False) -> list[dict]:
+        """Train to `steps` (or the token budget); returns this call's records (train and eval).
+
+        `graceful_interrupt` (the `k3 rl` and `k3 distill` commands): the first SIGINT (Ctrl-C) or SIGTERM ends the
+        run after the step in progress, saves that step and raises KeyboardInterrupt saying so and how `--resume`
+        goes on; a second one stops at once (the last saved checkpoint stands). Without it, Ctrl-C raises
+        KeyboardInterrupt as usual and SIGTERM keeps its default."""
+        from k3.train.trainer import _GracefulInterrupt
         if resume:
             self.resume()
         elif self.ckpt_dir is not None and ckpt.latest_checkpoint(self.ckpt_dir) is not None:
@@ -158,6 +164,7 @@ class StepLoop:
                 if rec is not None:
                     emit({"kind": "eval", "step": self.step, **rec})
 
+        interrupt = _GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
         try:
             if not resume and self.step == 0:
                 run_eval()
@@ -165,16 +172,28 @@ class StepLoop:
             while not self._done():
                 try:
                     rec = self.train_step(step_fn)
-                except KeyboardInterrupt:
+                except (KeyboardInterrupt, Exception) as e:
+                    if not isinstance(e, KeyboardInterrupt) and not interrupt.requested:
+                        raise
+                    # a second signal, or a step that failed because the first one also reached a helper: the
+                    # step in progress is lost, the last checkpoint stands
                     where, advice = self._interrupted_message()
                     stop = KeyboardInterrupt(f"{where}{advice}")
                     stop.where = where  # for a caller whose own advice differs (k3 rl --demo has no --resume)
-                    raise stop from None
+                    raise stop from None if isinstance(e, KeyboardInterrupt) else e
                 emit(rec)
                 if self.lc.eval_every and self.step % self.lc.eval_every == 0 and not self._done():
                     run_eval()
                 if self.ckpt_dir is not None and self.lc.ckpt_every and self.step % self.lc.ckpt_every == 0:
                     saved = self.save()
+                if interrupt.requested and not self._done():  # on the last step the run simply completes
+                    if saved is None or not saved.name.endswith(f"_{self.step:06d}"):
+                        saved = self.save()
+                    where = f"stopped after step {self.step}, saved as {saved}"
+                    stop = KeyboardInterrupt(f"{where}: the same command with --resume (and without --overwrite) "
+                                             f"continues from step {self.step}")
+                    stop.where = where
+                    raise stop
             trained = any(r.get("kind") == "train" for r in records)
             if trained and records[-1].get("kind") == "train":  # a final evaluation after the last step
                 run_eval()
@@ -183,6 +202,7 @@ class StepLoop:
                     (saved is None or not saved.name.endswith(f"_{self.step:06d}")):
                 self.save()
         finally:
+            interrupt.restore()
             if writer is not None:
                 writer.close()
         return records

@@ -389,8 +389,10 @@ def mopd_step_fn(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, d
 def run_mopd(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domains: dict[str, Domain],
              mc: MOPDConfig, lc: LoopConfig, out_dir: str | os.PathLike | None, *, resume: bool = False,
              overwrite: bool = False, evaluate: Callable[[int], dict | None] | None = None,
-             on_record: Callable[[dict], None] | None = None, manifest_extra: dict | None = None) -> list[dict]:
-    """Distil `teachers` into `student` in place (see the module docstring); returns the run's records."""
+             on_record: Callable[[dict], None] | None = None, manifest_extra: dict | None = None,
+             graceful_interrupt: bool = False) -> list[dict]:
+    """Distil `teachers` into `student` in place (see the module docstring); returns the run's records.
+    `graceful_interrupt`: see `StepLoop.fit`."""
     mc.validate()
     missing = [cell_name(*c) for c in mc.cells if c not in teachers.teachers]
     if missing:
@@ -413,4 +415,4 @@ def run_mopd(student: torch.nn.Module, teachers: TeacherMatrix, tokenizer, domai
     loop = StepLoop(student, lc, out_dir, {"kind": f"mopd-{mc.mode}", "tokenizer_sha256": tokenizer.fingerprint,
                                            **(manifest_extra or {})}, resume_fields)
     return loop.fit(mopd_step_fn(student, teachers, tokenizer, domains, mc, lc.seed), resume=resume,
-                    overwrite=overwrite, evaluate=evaluate, on_record=on_record)
+                    overwrite=overwrite, evaluate=evaluate, on_record=on_record, graceful_interrupt=graceful_interrupt)

@@ -69,7 +69,9 @@ def sft_step_fn(model: torch.nn.Module, examples: Callable[[int], Sequence[Examp
 def run_sft(model: torch.nn.Module, examples: Callable[[int], Sequence[Example]], config: LoopConfig,
             out_dir: str | os.PathLike | None, *, resume: bool = False, overwrite: bool = False,
             manifest_extra: dict | None = None, resume_fields: dict | None = None,
-            on_record: Callable[[dict], None] | None = None) -> list[dict]:
-    """SFT `model` in place; checkpoints and metrics under `out_dir` (see StepLoop)."""
+            on_record: Callable[[dict], None] | None = None, graceful_interrupt: bool = False) -> list[dict]:
+    """SFT `model` in place; checkpoints and metrics under `out_dir` (see StepLoop; `graceful_interrupt`: see
+    `StepLoop.fit`)."""
     loop = StepLoop(model, config, out_dir, {"kind": "sft", **(manifest_extra or {})}, resume_fields)
-    return loop.fit(sft_step_fn(model, examples), resume=resume, overwrite=overwrite, on_record=on_record)
+    return loop.fit(sft_step_fn(model, examples), resume=resume, overwrite=overwrite, on_record=on_record,
+                    graceful_interrupt=graceful_interrupt)

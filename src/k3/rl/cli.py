@@ -252,7 +252,7 @@ def cmd_warmstart(args) -> dict:
         records = run_warmstart(model, tok, demos, lcfg, root / "warmstart", batch_size=args.batch,
                                 context_loss_weight=args.context_loss_weight,
                                 short_prompt_steps=args.short_prompt_steps, resume=args.resume,
-                                overwrite=args.overwrite, on_record=bar)
+                                overwrite=args.overwrite, on_record=bar, graceful_interrupt=args.graceful)
     finally:
         bar.close()
     train = [r for r in records if r.get("kind") == "train"]
@@ -303,7 +303,7 @@ def cmd_train(args) -> dict:
     try:
         records = run_grpo(model, tok, tasks, gcfg, lcfg, root / args.name,
                            init=f"{args.init}@{manifest['step']}", ref_model=ref, resume=args.resume,
-                           overwrite=args.overwrite, on_record=bar)
+                           overwrite=args.overwrite, on_record=bar, graceful_interrupt=args.graceful)
     finally:
         bar.close()
     train = [r for r in records if r.get("kind") == "train" and r.get("reward_mean") is not None]
@@ -422,7 +422,8 @@ def cmd_demo(args) -> dict:
     t0 = time.perf_counter()
     common = dict(root=str(root), threads=args.threads, seed=args.seed, quiet=args.quiet, workers=2,
                   resume=False, overwrite=True, keep_last=2, grad_clip=1.0, max_context=4096,
-                  fixed_dialect="react", max_tokens=96, max_turns=None)
+                  fixed_dialect="react", max_tokens=96, max_turns=None,
+                  graceful=False)  # the demo has no --resume: a stop ends it at once, as SIGTERM's default does
     warm = argparse.Namespace(**common, preset="tiny", n_layers=None, layer_pattern="MKKK",
                               tokenizer_prompts=DEMO["tokenizer_prompts"],
                               demo_harness="canonical",
@@ -505,7 +506,7 @@ def register(subparsers) -> None:
     w.add_argument("--short-prompt-steps", type=int, default=0,
                    help="curriculum: the first N steps train on the episodes without their system prompt, where "
                         "a small model learns to choose its command from the instruction (docs/rl.md)")
-    w.set_defaults(func=lambda a: _run(cmd_warmstart, a))
+    w.set_defaults(graceful=True, func=lambda a: _run(cmd_warmstart, a))
 
     t = sub.add_parser("train", help="GRPO from a checkpoint of the experiment")
     _common(t, steps=100, lr=1e-3, ckpt_every=10)
@@ -531,7 +532,7 @@ def register(subparsers) -> None:
                    help="episodes per forward/backward (0: all of a step's at once); lowers peak memory, same "
                         "gradient; may differ between a run and its resume")
     t.add_argument("--no-std", action="store_true", help="advantages without dividing by the group's std")
-    t.set_defaults(func=lambda a: _run(cmd_train, a))
+    t.set_defaults(graceful=True, func=lambda a: _run(cmd_train, a))
 
     e = sub.add_parser("eval", help="greedy success on held-out tasks under the training and the unseen harness")
     e.add_argument("--root", default=DEFAULT_ROOT)

@@ -154,7 +154,7 @@ def without_system_prompt(transcript: Sequence[dict]) -> list[dict]:
 
 def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, out_dir, *, batch_size: int = 8,
                   context_loss_weight: float = 0.0, short_prompt_steps: int = 0, resume: bool = False,
-                  overwrite: bool = False, on_record=None) -> list[dict]:
+                  overwrite: bool = False, on_record=None, graceful_interrupt: bool = False) -> list[dict]:
     examples, short, shortest = [], [], None
     for r in demos:
         ids, mask = episode_tokens(r["transcript"], tokenizer)
@@ -173,7 +173,8 @@ def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, o
                     {"tokenizer_sha256": tokenizer.fingerprint, "batch_size": batch_size, "demos": len(examples),
                      "context_loss_weight": context_loss_weight, "short_prompt_steps": short_prompt_steps})
     return loop.fit(sft_step_fn(model, examples, batch_size, config.seed, context_loss_weight, short,
-                                short_prompt_steps), resume=resume, overwrite=overwrite, on_record=on_record)
+                                short_prompt_steps), resume=resume, overwrite=overwrite, on_record=on_record,
+                     graceful_interrupt=graceful_interrupt)
 
 
 # ---------------------------------------------------------------------------------------- GRPO
@@ -358,8 +359,9 @@ class GRPOTrainer:
 def run_grpo(model, tokenizer, tasks: Sequence, gconfig: GRPOConfig, lconfig: LoopConfig, out_dir, *,
              init: str, ref_model=None, resume: bool = False, overwrite: bool = False, on_record=None,
              episode_fn: Callable = run_episode, sandbox: SandboxConfig | None = None,
-             evaluate: Callable | None = None) -> list[dict]:
-    """GRPO on `model` in place; OUT/metrics.jsonl, OUT/checkpoint (which names its tokenizer)."""
+             evaluate: Callable | None = None, graceful_interrupt: bool = False) -> list[dict]:
+    """GRPO on `model` in place; OUT/metrics.jsonl, OUT/checkpoint (which names its tokenizer).
+    `graceful_interrupt`: see `StepLoop.fit`."""
     mu = gconfig.updates_per_batch
     if lconfig.ckpt_every % mu or lconfig.steps % mu:
         raise ValueError(f"--ckpt-every ({lconfig.ckpt_every}) and --steps ({lconfig.steps}) must be multiples of "
@@ -368,7 +370,8 @@ def run_grpo(model, tokenizer, tasks: Sequence, gconfig: GRPOConfig, lconfig: Lo
     fields = {"tokenizer_sha256": tokenizer.fingerprint, "init": str(init), "tasks": [t.id for t in trainer.tasks][:4] +
               [len(trainer.tasks)], **{k: v for k, v in dataclasses.asdict(gconfig).items() if k != "micro_batch"}}
     loop = StepLoop(model, lconfig, out_dir, {"kind": "rl-grpo", "tokenizer_sha256": tokenizer.fingerprint}, fields)
-    return loop.fit(trainer.step_fn, resume=resume, overwrite=overwrite, on_record=on_record, evaluate=evaluate)
+    return loop.fit(trainer.step_fn, resume=resume, overwrite=overwrite, on_record=on_record, evaluate=evaluate,
+                    graceful_interrupt=graceful_interrupt)
 
 
 def _check_max_turns(max_turns) -> None:
