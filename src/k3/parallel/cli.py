@@ -1,7 +1,8 @@
 """Distributed `k3 train` (--nproc/--ep/--fsdp/--pp) and `k3 mesh` (how a job's ranks would be laid out).
 
 `k3 train --nproc N ...` outside torchrun re-launches itself as
-`python -m torch.distributed.run --standalone --nproc-per-node N -m k3.cli train ...` (the same arguments);
+`python -m k3.parallel.torchrun --standalone --nproc-per-node N -m k3.cli train ...` (the same arguments; that
+module is torchrun, `torch.distributed.run`, ending without a traceback when a signal stops it);
 inside torchrun (RANK / WORLD_SIZE set) `k3 train` runs k3.parallel.train.ParallelTrainer on the mesh.
 """
 from __future__ import annotations

@@ -135,6 +135,7 @@ def in_torchrun() -> bool:
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m k3.cli ARGV` (one machine)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    """`python -m k3.parallel.torchrun --standalone --nproc-per-node N -m k3.cli ARGV` (one machine): torchrun
+    (torch.distributed.run) without its traceback when a signal stops it."""
+    return [sys.executable, "-m", "k3.parallel.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "k3.cli", *argv]
