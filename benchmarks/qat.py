@@ -37,6 +37,8 @@ Settings: 'k3' = routed-expert weights MXFP4 + their input activations MXFP8 (K3
 other linear layer in the blocks (weights MXFP4, inputs MXFP8); 'harshest' = all of those with MXFP4 activations
 (W4A4); 'harshest_head' = harshest with the output head W4A4 too, i.e. literally every linear layer;
 'harsh_head' = harsh with the output head W4A8 too: every linear layer's weights MXFP4, every input MXFP8.
+'head_w4' / 'head_a8' = the output head alone, its weight in MXFP4 / its input in MXFP8, nothing else quantized:
+where harsh_head's cost comes from.
 --ptq-only settings get the PTQ evaluation only (cheap: no training), to show how much quantizing costs.
 The default model is `mini-s`, a mini-shaped model scaled down so that each run takes minutes on a shared
 2-core CPU; `--preset mini` runs the real mini (about 4x slower per step). Validation uses the whole split.
@@ -73,14 +75,16 @@ from k3.quant.gptq import GPTQLinear, gptq_linears_, gptq_roundable
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-# name -> (config.qat, format of the output head or None); the head is outside config.qat's reach (the library
-# keeps it full precision), so this benchmark wraps it in a QATLinear itself
+# name -> (config.qat, format of the output head's weight, of its input); the head is outside config.qat's reach
+# (the library keeps it full precision), so this benchmark wraps it in a QATLinear itself
 SETTINGS = {
-    "k3": ({"expert_weights": "mxfp4", "activations": "mxfp8"}, None),
-    "harsh": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, None),
-    "harshest": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, None),
-    "harshest_head": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, "mxfp4"),
-    "harsh_head": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, "mxfp4"),
+    "k3": ({"expert_weights": "mxfp4", "activations": "mxfp8"}, None, None),
+    "harsh": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, None, None),
+    "harshest": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, None, None),
+    "harshest_head": ({"expert_weights": "mxfp4", "activations": "mxfp4", "linears": "mxfp4"}, "mxfp4", "mxfp4"),
+    "harsh_head": ({"expert_weights": "mxfp4", "activations": "mxfp8", "linears": "mxfp4"}, "mxfp4", "mxfp8"),
+    "head_w4": ({}, "mxfp4", None),
+    "head_a8": ({}, None, "mxfp8"),
 }
 RECOVERY_TARGET = 0.8
 # mini's structure (KDA + MLA, block AttnRes, LatentMoE with a shared expert, 8192-token vocab), smaller widths
@@ -98,11 +102,11 @@ def base_config(preset: str, quick: bool = False):
 
 
 def quantize_head(model: K3Model, setting: str) -> K3Model:
-    """Wrap model.head in a QATLinear sharing its weight when the setting quantizes the head (inputs in the
-    setting's activation format); the optimizer, built before, holds the same Parameter, so training goes on."""
-    qat, head = SETTINGS[setting]
-    if head is not None:
-        model.head = QATLinear(model.head, head, qat.get("activations"))
+    """Wrap model.head in a QATLinear sharing its weight when the setting quantizes the head's weight or input;
+    the optimizer, built before, holds the same Parameter, so training goes on."""
+    _, weight, act = SETTINGS[setting]
+    if weight is not None or act is not None:
+        model.head = QATLinear(model.head, weight, act)
     return model
 
 
@@ -111,7 +115,7 @@ def quantized_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, s
     included when wrapped) and the routed experts' w1, w3, w2; all are quantized in blocks along dim 1."""
     out = []
     for mname, m in model.named_modules():
-        if isinstance(m, QATLinear):
+        if isinstance(m, QATLinear) and m.weight_format:
             out.append((f"{mname}.weight", m.weight, m.weight_format))
         elif isinstance(m, RoutedExperts) and m.weight_format:
             out += [(f"{mname}.{w}", getattr(m, w), m.weight_format) for w in ("w1", "w3", "w2")]
@@ -661,8 +665,9 @@ def report(runs, names, ptq_names, config, files, args, argv, t_start, machine_b
         deg = [runs[s][f"ptq_{name}"]["val_loss"] - runs[s]["fp32"]["val_loss"] for s in done]
         gaps = [runs[s][f"qat_{name}"]["val_loss"] - runs[s]["fp32"]["val_loss"] for s in done] \
             if name in names else None
-        qat, head = SETTINGS[name]
-        settings[name] = {"qat": qat, "head": head, "trained": name in names, **summarize(deg, gaps, spread)}
+        qat, head, head_act = SETTINGS[name]
+        settings[name] = {"qat": qat, "head": head, "head_input": head_act, "trained": name in names,
+                          **summarize(deg, gaps, spread)}
         if gaps is not None and all("fp32_kd" in runs[s] for s in done):
             settings[name].update(kd_control(runs, done, name, deg))
         if gaps is not None and all("diagnosis" in runs[s][f"qat_{name}"] for s in done):

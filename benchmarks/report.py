@@ -142,6 +142,13 @@ HEADLINES = {
         ("settings.harsh_head.diagnosis.latent_gap", "same: QAT weights unquantized - fp32 (nats)", ""),
         ("settings.harsh_head.diagnosis.own_quant_cost", "same: QAT val loss - those weights unquantized (nats)", ""),
     ],
+    "qat-head-split": [
+        ("settings.head_w4.ptq_degradation", "mini-s seeds 0-1 (current val split): PTQ of the head's weight alone in MXFP4 - fp32 (nats)", ""),
+        ("settings.head_a8.ptq_degradation", "same: PTQ of the head's input alone in MXFP8 - fp32 (nats)", ""),
+        ("settings.harsh_head.ptq_degradation", "same: PTQ of every linear W4A8 - fp32 (nats)", ""),
+        ("settings.head_w4.recovery", "same: QAT (last 40 of 200 steps) recovery, head weight alone", ">= 0.8"),
+        ("settings.harsh_head.recovery", "same: QAT recovery, every linear W4A8", ">= 0.8"),
+    ],
     "qat-gptq-screen": [
         ("settings.harsh_head.ptq_degradation", "mini-s seeds 0-1, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
         ("settings.harsh_head.gptq.ptq_degradation", "same, PTQ with GPTQ rounding (16 calibration batches) - fp32 (nats)", ""),

@@ -385,3 +385,27 @@ def test_qat_gptq_trains_the_head_through_gptq_rounding(qat_bench, tmp_path):
         assert r["runs"][s]["qat_harsh_head"]["val_loss"] != plain["runs"][s]["qat_harsh_head"]["val_loss"]
     assert g["qat_gap_per_seed"] == pytest.approx([r["runs"][s]["qat_harsh_head"]["val_loss"]
                                                    - r["runs"][s]["fp32"]["val_loss"] for s in ("0", "1")])
+
+
+def test_head_only_settings_quantize_what_they_name(qat_bench):
+    """head_w4 / head_a8 split harsh_head's head in two: the head's weight alone in MXFP4, its input alone in MXFP8;
+    nothing else is quantized, and only a quantized weight is tracked or GPTQ-rounded."""
+    import torch
+    import torch.nn.functional as F
+
+    from k3.config import get_config
+    from k3.model.transformer import K3Model
+    from k3.quant.fake import fake_quant
+    from k3.quant.gptq import gptq_roundable
+
+    x = torch.randn(3, 64)
+    for name, wq, aq in (("head_w4", True, False), ("head_a8", False, True)):
+        qat, _, _ = qat_bench.SETTINGS[name]
+        model = qat_bench.quantize_head(K3Model(get_config("tiny", qat=qat)), name)
+        head = model.head
+        w = fake_quant(head.weight, "mxfp4", dim=1) if wq else head.weight
+        xin = fake_quant(x, "mxfp8") if aq else x
+        assert torch.equal(head(x), F.linear(xin, w, head.bias))
+        assert not torch.equal(head(x), F.linear(x, head.weight, head.bias))  # something is quantized
+        assert {n for n, _, _ in qat_bench.quantized_weights(model)} == ({"head.weight"} if wq else set())
+        assert gptq_roundable(head) == wq

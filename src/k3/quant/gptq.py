@@ -117,8 +117,9 @@ def _input_hooks(modules: dict[str, nn.Module], hessians: dict[str, torch.Tensor
 
 
 def gptq_roundable(module: nn.Module) -> bool:
-    """A QATLinear whose input width is whole MX blocks: what `gptq_linears_` and `GPTQLinear` can round."""
-    return isinstance(module, QATLinear) and module.in_features % BLOCK == 0
+    """A QATLinear with a weight format and an input width of whole MX blocks: what `gptq_linears_` and `GPTQLinear`
+    can round (a head wrapped to quantize only its input has no weight grid)."""
+    return isinstance(module, QATLinear) and module.weight_format is not None and module.in_features % BLOCK == 0
 
 
 @torch.no_grad()
