@@ -8,6 +8,11 @@ matmul, and the max relative error of our output against fla's recurrent referen
 again on strong decay (g ~ -5 U(0,1) per token and channel; `strong_decay`): exp() of large negative
 log-decays makes subnormal floats, which x86 CPUs compute through slow microcode assists, so that run is
 slower; `--flush-denormal` repeats everything with subnormals flushed to zero for the whole process.
+`train_shape`: our forward+backward at `mini`'s training shape (B=8, T=128, H=4, K=V=64) with the chunk size
+fixed at 64 against the one chosen from the gates (`chunk_size=None`), side by side, on typical gates, on the
+gates of a freshly initialised KDA layer (-exp(A_log) * softplus(.), A in [1, 16]) and on gates as strong as a
+trained model's (-12 * U(0.5, 1.5) per token; `mini` after 150 steps has channels below -100), each checked
+against fla's naive recurrent form.
 
     python benchmarks/kda.py --json          # prints one JSON object, writes runs/bench/kda.json
     python benchmarks/kda.py --flush-denormal  # writes runs/bench/kda-flush-denormal.json
@@ -55,6 +60,37 @@ def fwd_bwd(fn, inputs):
         o, _ = fn(*inputs)
         (o * w).sum().backward()
     return run
+
+
+def init_like_gates(B, T, H, K):
+    """The gates of a freshly initialised KDA layer: -exp(A_log) * softplus(f + dt_bias), with A_log = log U(1, 16)
+    per head (k3.model.kda), dt_bias = 0 and f a low-rank projection of unit-scale inputs (std ~0.1 here)."""
+    A = torch.empty(H).uniform_(1, 16)
+    return -A.view(H, 1) * F.softplus(0.1 * torch.randn(B, T, H, K))
+
+
+def train_shape(reps: int, naive_recurrent_kda) -> dict:
+    """Fixed chunk size 64 against the automatic choice, forward+backward at mini's training shape."""
+    B, T, H, K = 8, 128, 4, 64
+    out = {"shape": {"B": B, "T": T, "H": H, "K": K, "V": K}}
+    for name, make_g in (("typical", lambda: F.logsigmoid(torch.randn(B, T, H, K))),
+                         ("init", lambda: init_like_gates(B, T, H, K)),
+                         ("trained_like", lambda: -12 * (0.5 + torch.rand(B, T, H, K)))):
+        q, k, v, _, beta = make_inputs(B, T, H, K, K)
+        inputs = [x.requires_grad_(True) for x in (q, k, v, make_g(), beta)]
+        runs = {"c64": fwd_bwd(lambda *a: chunk_kda(*a, chunk_size=64), inputs),
+                "auto": fwd_bwd(chunk_kda, inputs)}
+        times = round_robin(runs, {n: reps for n in runs}, runs)
+        with torch.no_grad():
+            ref, _ = naive_recurrent_kda(*inputs)
+            err = {n: ((chunk_kda(*inputs, **kw)[0] - ref).abs().max() / ref.abs().max()).item()
+                   for n, kw in (("c64", {"chunk_size": 64}), ("auto", {}))}
+        from k3.ops.kda.chunk import _auto_chunk_sizes
+        out[name] = {"auto_chunk_and_sub_chunk": list(_auto_chunk_sizes(inputs[3].detach(), 30.0)),
+                     "c64_median_s": statistics.median(times["c64"]), "auto_median_s": statistics.median(times["auto"]),
+                     "speedup_auto_vs_c64": statistics.median(times["c64"]) / statistics.median(times["auto"]),
+                     "max_rel_err_vs_fla_naive_recurrent": err}
+    return out
 
 
 def round_robin(runs: dict, repeats: dict, warmups: dict) -> dict:
@@ -164,6 +200,7 @@ def main() -> dict:
         "matmul_peak_gflops": peak,
         "fraction_of_matmul_peak": gflops / peak,
         "max_rel_err_vs_fla_naive_recurrent": max_rel_err,
+        "train_shape": train_shape(repeats, naive_recurrent_kda),
     }
     out_path = write_result(bench_out("kda-flush-denormal" if args.flush_denormal else "kda", args.quick), result,
                             args.json)
@@ -172,7 +209,10 @@ def main() -> dict:
               f"{result['speedup_vs_fla_naive_recurrent']:.1f}x vs fla naive_recurrent; "
               f"fwd+bwd: {result['fwd_bwd_speedup_vs_fla_naive_chunk']:.1f}x / "
               f"{result['fwd_bwd_speedup_vs_fla_naive_recurrent']:.1f}x; "
-              f"{gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of matmul peak; wrote {out_path}")
+              f"{gflops:.1f} GFLOP/s = {result['fraction_of_matmul_peak']:.0%} of matmul peak; at mini's training "
+              "shape, the chunk size chosen from the gates against 64: " + ", ".join(
+                  f"{n} {result['train_shape'][n]['speedup_auto_vs_c64']:.2f}x"
+                  for n in ("typical", "init", "trained_like")) + f"; wrote {out_path}")
     return result
 
 

@@ -34,6 +34,11 @@ HEADLINES = {
         ("fwd_bwd_speedup_vs_fla_naive_chunk", "KDA chunk fwd+bwd vs fla naive_chunk_kda", ""),
         ("fwd_bwd_speedup_vs_fla_naive_recurrent", "KDA chunk fwd+bwd vs fla naive_recurrent_kda", ""),
         ("tokens_per_s.ours_chunk", "KDA chunk fwd tokens/s", ""),
+        ("train_shape.init.speedup_auto_vs_c64", "KDA chunk fwd+bwd at mini's training shape (B8 T128 H4 K=V=64), "
+                                                "freshly initialised gates: chunk size from the gates (8) vs 64", ""),
+        ("train_shape.trained_like.speedup_auto_vs_c64", "same, gates as strong as a trained model's "
+                                                        "(-12 U(0.5, 1.5)): chunk size 4 vs 64", ""),
+        ("train_shape.typical.speedup_auto_vs_c64", "same, typical gates (both 64: noise)", ""),
     ],
     "kda-flush-denormal": [
         ("strong_decay.speedup_vs_fla_naive_chunk", "the same run with subnormal floats flushed to zero (both sides): "

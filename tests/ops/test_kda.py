@@ -119,6 +119,39 @@ def test_auto_sub_chunk_size_follows_the_decay():
             assert rel_err(gr, gref) < TOL, (sub, x)
 
 
+def test_auto_chunk_size_shrinks_with_the_sub_chunk_and_stays_exact():
+    """chunk_size=None: two sub-chunks per chunk (C = 2c), 64 for typical gates, smaller under strong decay (a
+    trained model's KDA gates reach -100 per token and below), but never so small that a sequence needs more
+    than MAX_AUTO_CHUNKS sequential chunks. Every choice computes what the naive recurrence does, gradients
+    included, on gates as strong as a trained model's."""
+    from k3.ops.kda.chunk import MAX_AUTO_CHUNKS, _auto_chunk_sizes
+
+    assert _auto_chunk_sizes(F.logsigmoid(torch.randn(1, 200, 2, 16)), 30.0) == (64, 32)
+    assert _auto_chunk_sizes(-5 * torch.rand(1, 200, 2, 16), 30.0) == (16, 8)
+    assert _auto_chunk_sizes(torch.full((2, 128, 1, 4), -40.0), 30.0) == (4, 2)
+    long = torch.full((1, 4096, 1, 4), -40.0)
+    assert _auto_chunk_sizes(long, 30.0) == (4096 // MAX_AUTO_CHUNKS, 2)     # the floor: 256 chunks of 16
+    assert _auto_chunk_sizes(torch.empty(1, 8, 1, 4, device="meta"), 30.0) == (64, 32)
+    for decay in ("strong", "spiky", "trained"):
+        inputs = list(make_inputs(T=77, decay="strong" if decay == "trained" else decay))
+        if decay == "trained":
+            inputs[3] = -12 * (0.5 + torch.rand_like(inputs[3])) - 150 * (torch.rand_like(inputs[3]) < 0.05)
+        w_o, w_s = torch.randn(2, 77, 2, 24), torch.randn(2, 2, 16, 24)
+        ref = run_with_grads(naive_recurrent_kda, inputs, w_o, w_s)
+        got = run_with_grads(chunk_kda, inputs, w_o, w_s)
+        c64 = run_with_grads(chunk_kda, inputs, w_o, w_s, chunk_size=64)
+        for name, a, b, old in zip(["o", "state", *NAMES], [got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]],
+                                   [c64[0], c64[1], *c64[2]]):
+            if decay == "trained" and name == "g":
+                # under such decay dL/dg is a sum of O(1) terms cancelling to ~1e-3: fp32 rounding leaves ~1e-7
+                # absolute in it with any chunk size (64 included), so the bound is absolute here
+                assert (a - b).abs().max() < 1e-6 and (old - b).abs().max() < 1e-6, (a - b).abs().max()
+                continue
+            assert rel_err(a, b) < TOL, (decay, name, rel_err(a, b))
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(*make_inputs(T=8)[:5], chunk_size=0)
+
+
 @pytest.mark.parametrize("decay", ["mild", "strong"])
 @pytest.mark.parametrize("block", [1, 3, None])
 def test_chunk_blocks_match_naive_fwd_bwd(decay, block):

@@ -24,8 +24,15 @@ off-diagonal factor <= 1) and that sub-chunk's diagonal block is formed exactly,
 The price of a factor exp(x) is a relative error of about |x| * eps: at most ~2e-6 in fp32 with the
 default max_exponent = 30, reached only under strong decay (measured: <= 4e-6 on outputs at g ~ U(-5, 0)).
 
-Chunks are processed in blocks (`chunk_block`, 8 on CPU): each block's layouts and intermediates stay in
-cache, and only the [K, V] state passes from one block to the next.
+Chunk size. Typical gates run in chunks of 64 tokens cut into two sub-chunks of 32. Strong decay needs small
+sub-chunks c (above), and a chunk of C tokens in C / c sub-chunks costs about C / c times more elementwise work
+per token (every sub-chunk keeps its own reference point), so with `chunk_size=None` the chunk shrinks with the
+sub-chunk: C = 2c, down to a floor that keeps the sequential chunk-to-chunk steps at most `MAX_AUTO_CHUNKS` per
+sequence (`_auto_chunk_sizes`). Trained KDA gates are strong: in `mini` after 150 steps most layers have
+channels that decay by more than 100 per token, which with chunks of 64 meant 32 sub-chunks of 2.
+
+Chunks are processed in blocks (`chunk_block`: 512 tokens' worth on CPU, 8 chunks of 64): each block's layouts
+and intermediates stay in cache, and only the [K, V] state passes from one block to the next.
 """
 from __future__ import annotations
 
@@ -35,7 +42,10 @@ import torch.nn.functional as F
 from k3.ops.amp import without_autocast
 
 
-CPU_CHUNK_BLOCK = 8  # chunks per block on CPU (benchmarks/kda.py shape: 2 and 4 slower, 16 the same)
+CPU_BLOCK_TOKENS = 512  # tokens per block on CPU: 8 chunks of 64 (benchmarks/kda.py shape: 2 and 4 chunks slower,
+                        # 16 the same)
+AUTO_CHUNK_SIZES = (64, 32, 16, 8, 4)  # chunk_size=None picks one of these (_auto_chunk_sizes)
+MAX_AUTO_CHUNKS = 256  # ... the smallest that leaves at most this many chunks per sequence, when smaller is wanted
 
 
 def _sub_chunk_candidates(C: int) -> list[int]:
@@ -62,6 +72,25 @@ def _auto_sub_chunk_size(g: torch.Tensor, C: int, max_exponent: float) -> int:
         if not x.numel() or float(-x.reshape(B, Tp // h, h, H, K).sum(2).amin()) <= max_exponent:
             return c
     return cands[-1]
+
+
+def _auto_chunk_sizes(g: torch.Tensor, max_exponent: float) -> tuple[int, int]:
+    """(chunk size C, sub-chunk size c) for `chunk_kda(chunk_size=None)`: two sub-chunks per chunk, C = 2c with c
+    the largest sub-chunk size the gates allow (`_auto_sub_chunk_size`), but C no smaller than needed to cut a
+    sequence into at most MAX_AUTO_CHUNKS chunks (each chunk is a sequential step). Only a speed choice: every
+    chunk size computes the same thing (tested).
+
+    Why two: with C / c sub-chunks per chunk the elementwise work per token grows about as C / c, while the chunk
+    count T / C is a sequential loop. Measured fwd + bwd at B=8, T=128, H=4, K=V=64 (mini's training shape) with
+    gates of -s * U(0.5, 1.5) per token: s = 2: 21 ms at C=32 (c=16) against 75 ms at C=64 (c=16); s = 4: 29 ms
+    at C=16 against 87 ms; s = 12: 60 ms at C=4 (c=2) against 190 ms at C=64 (c=2). At T=4096 (B=1, H=4,
+    K=V=128) many tiny chunks cost more than they save (C=4: 1.5 s against 0.92 s at C=32 for s = 12), hence the
+    floor on C."""
+    B, T = g.shape[:2]
+    floor = next((C for C in reversed(AUTO_CHUNK_SIZES) if -(-T // C) <= MAX_AUTO_CHUNKS), AUTO_CHUNK_SIZES[0])
+    c = _auto_sub_chunk_size(g, AUTO_CHUNK_SIZES[0], max_exponent)  # the aligned windows do not depend on C
+    C = max(2 * c, floor)
+    return C, (c if C == 2 * c else _auto_sub_chunk_size(g, C, max_exponent))
 
 
 def _exact_diag_blocks(g: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -179,7 +208,7 @@ def chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     sub_chunk_size: int | None = None,
     max_exponent: float = 30.0,
     chunk_block: int | None = None,
@@ -188,18 +217,25 @@ def chunk_kda(
     initial_state: [B, H, K, V]. Returns o: [B, T, H, V] (dtype of v) and the final state [B, H, K, V]
     (fp32, or fp64 for fp64 inputs) if `output_final_state`, else None. Any T works: the tail chunk is
     padded with g = 0, beta = 0 tokens, which leave the state untouched. Differentiable via autograd.
-    `sub_chunk_size` (default: chosen from the gates, `_auto_sub_chunk_size`) and `max_exponent` tune the
-    safe factorisation (module docstring). `chunk_block`: chunks processed together, the state handed from
-    block to block (None: 8 on CPU, where a block's intermediates then stay in cache, measured 1.5x faster
-    forward+backward at T=4096, H=4, K=V=128 than all chunks at once; all chunks on other devices; 0: all)."""
+    `chunk_size` (default: chosen from the gates, 64 for typical ones; `_auto_chunk_sizes`; 64 when only
+    `sub_chunk_size` is given), `sub_chunk_size` (default: chosen from the gates, `_auto_sub_chunk_size`) and
+    `max_exponent` tune the safe factorisation (module docstring). `chunk_block`: chunks processed together, the
+    state handed from block to block (None: 512 tokens' worth on CPU, where a block's intermediates then stay in
+    cache, measured 1.5x faster forward+backward at T=4096, H=4, K=V=128 than all chunks at once; all chunks on
+    other devices; 0: all)."""
     if chunk_block is not None and (not isinstance(chunk_block, int) or chunk_block < 0):
         raise ValueError(f"chunk_block must be a non-negative int or None, got {chunk_block!r}")
-    if chunk_block is None:
-        chunk_block = CPU_CHUNK_BLOCK if q.device.type == "cpu" else 0
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None (chosen from the gates), got {chunk_size!r}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
-    c = sub_chunk_size or _auto_sub_chunk_size(g, C, max_exponent)
+    if chunk_size is None and sub_chunk_size is None:
+        C, c = _auto_chunk_sizes(g, max_exponent)
+    else:
+        C = chunk_size or AUTO_CHUNK_SIZES[0]
+        c = sub_chunk_size or _auto_sub_chunk_size(g, C, max_exponent)
+    if chunk_block is None:
+        chunk_block = max(1, CPU_BLOCK_TOKENS // C) if q.device.type == "cpu" else 0
     if C % c:
         raise ValueError(f"sub_chunk_size {c} must divide chunk_size {C}")
     S = C // c
