@@ -44,11 +44,19 @@ def test_ctrl_c_names_the_last_checkpoint_and_resume(tmp_path, monkeypatch, caps
     assert code == 130 and f"k3 params: interrupted: {msg}" in err, err
 
 
-def _fresh_sigterm():
-    """SIGTERM at its default for the test (an earlier test in the process may have left a handler)."""
+@pytest.fixture
+def default_signals():
+    """SIGINT and SIGTERM at Python's defaults for the test: an earlier test may have left a handler, and a run
+    started in the background by a non-interactive shell (nohup, `&`) inherits SIGINT ignored, which the graceful
+    stop leaves alone as someone else's choice."""
     import signal
 
-    return signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
 
 
 def _signalling_step(loop, x, at: dict):
@@ -62,50 +70,46 @@ def _signalling_step(loop, x, at: dict):
     return step
 
 
-def test_sigterm_or_ctrl_c_saves_the_step_in_progress_and_resume_matches(tmp_path):
+def test_sigterm_or_ctrl_c_saves_the_step_in_progress_and_resume_matches(tmp_path, default_signals):
     """`k3 rl` / `k3 distill` (graceful_interrupt): SIGTERM (a supervisor, a preemption) or Ctrl-C ends the run after
     the step in progress, saves that step and says how to go on; before, SIGTERM killed the run and Ctrl-C lost
     every step since the last save. Resuming gives the weights an uninterrupted run ends with, bit for bit."""
     import signal
 
-    before = _fresh_sigterm()
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop, x = _loop(tmp_path / sig.name)
-            with pytest.raises(KeyboardInterrupt) as ex:
-                loop.fit(_signalling_step(loop, x, {2: [sig]}), graceful_interrupt=True)
-            msg = str(ex.value)
-            assert msg.startswith("stopped after step 3, saved as ") and "step_000003" in msg, msg
-            assert "--resume (and without --overwrite) continues from step 3" in msg
-            assert ex.value.where.startswith("stopped after step 3") and "--resume" not in ex.value.where
-            assert ckpt.latest_checkpoint(tmp_path / sig.name / "run" / "checkpoint").name == "step_000003"
-            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
-            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-            again, x2 = _loop(tmp_path / sig.name)
-            again.fit(_signalling_step(again, x2, {}), resume=True)
-            assert again.step == 6
-        straight, x3 = _loop(tmp_path / "straight")
-        straight.fit(_signalling_step(straight, x3, {}))
-        for a, b in zip(again.model.state_dict().values(), straight.model.state_dict().values()):
-            assert torch.equal(a, b)
-        # a signal during the last step: the run simply completes (nothing to resume)
-        last, x4 = _loop(tmp_path / "last")
-        records = last.fit(_signalling_step(last, x4, {5: [signal.SIGTERM]}), graceful_interrupt=True)
-        assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
-        # a second signal stops at once: the step in progress is lost, the last checkpoint (step 2) stands
-        twice, x5 = _loop(tmp_path / "twice")
-        with pytest.raises(KeyboardInterrupt, match="stopped in step 4; the last checkpoint is .*step_000002"):
-            twice.fit(_signalling_step(twice, x5, {3: [signal.SIGTERM, signal.SIGTERM]}), graceful_interrupt=True)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        # without graceful_interrupt nothing is installed: SIGTERM keeps its default
-        plain, _ = _loop(tmp_path / "plain")
-        plain.fit(lambda i: (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or pytest.fail("handler installed"))
-                  and {"loss": plain.model(x).float().logsumexp(-1).mean()})
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop, x = _loop(tmp_path / sig.name)
+        with pytest.raises(KeyboardInterrupt) as ex:
+            loop.fit(_signalling_step(loop, x, {2: [sig]}), graceful_interrupt=True)
+        msg = str(ex.value)
+        assert msg.startswith("stopped after step 3, saved as ") and "step_000003" in msg, msg
+        assert "--resume (and without --overwrite) continues from step 3" in msg
+        assert ex.value.where.startswith("stopped after step 3") and "--resume" not in ex.value.where
+        assert ckpt.latest_checkpoint(tmp_path / sig.name / "run" / "checkpoint").name == "step_000003"
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        again, x2 = _loop(tmp_path / sig.name)
+        again.fit(_signalling_step(again, x2, {}), resume=True)
+        assert again.step == 6
+    straight, x3 = _loop(tmp_path / "straight")
+    straight.fit(_signalling_step(straight, x3, {}))
+    for a, b in zip(again.model.state_dict().values(), straight.model.state_dict().values()):
+        assert torch.equal(a, b)
+    # a signal during the last step: the run simply completes (nothing to resume)
+    last, x4 = _loop(tmp_path / "last")
+    records = last.fit(_signalling_step(last, x4, {5: [signal.SIGTERM]}), graceful_interrupt=True)
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    # a second signal stops at once: the step in progress is lost, the last checkpoint (step 2) stands
+    twice, x5 = _loop(tmp_path / "twice")
+    with pytest.raises(KeyboardInterrupt, match="stopped in step 4; the last checkpoint is .*step_000002"):
+        twice.fit(_signalling_step(twice, x5, {3: [signal.SIGTERM, signal.SIGTERM]}), graceful_interrupt=True)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    # without graceful_interrupt nothing is installed: SIGTERM keeps its default
+    plain, _ = _loop(tmp_path / "plain")
+    plain.fit(lambda i: (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or pytest.fail("handler installed"))
+              and {"loss": plain.model(x).float().logsumexp(-1).mean()})
 
 
-def test_a_step_failed_after_the_signal_is_an_interruption(tmp_path):
+def test_a_step_failed_after_the_signal_is_an_interruption(tmp_path, default_signals):
     """A Ctrl-C from the terminal also reaches helper processes; a step that fails because one died is reported as
     the interruption (with the error as its cause), not as the error. Without a signal the error is itself."""
     import os
@@ -127,7 +131,8 @@ def test_a_step_failed_after_the_signal_is_an_interruption(tmp_path):
         other.fit(lambda i: (_ for _ in ()).throw(RuntimeError("a helper died")), graceful_interrupt=True)
 
 
-def test_the_commands_stop_gracefully_and_the_rl_demo_does_not(tmp_path, domain_tokenizer, monkeypatch, capsys):
+def test_the_commands_stop_gracefully_and_the_rl_demo_does_not(tmp_path, domain_tokenizer, monkeypatch, capsys,
+                                                              default_signals):
     """`k3 distill teachers` end to end: SIGTERM in its first stage saves that stage's step and exits 130 naming it;
     the same command with --resume finishes. `k3 distill mopd`, `k3 rl warmstart` and `k3 rl train` ask their loop
     for the graceful stop, `k3 rl --demo` (no --resume) does not."""
@@ -145,23 +150,19 @@ def test_the_commands_stop_gracefully_and_the_rl_demo_does_not(tmp_path, domain_
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(self, step_fn)
 
-    before = _fresh_sigterm()
-    try:
-        monkeypatch.setattr(loop_mod.StepLoop, "train_step", train_step)
-        t = tmp_path / "teachers"
-        argv = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
-                str(domain_tokenizer.path), "--out", str(t), "--cells", "arith/low", "--base-steps", "3",
-                "--steps", "1", "--batch-size", "2", "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]
-        assert main(argv) == 130
-        err = capsys.readouterr().err
-        assert "interrupted: stopped after step 2, saved as" in err and "continues from step 2" in err, err
-        assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000002"
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        monkeypatch.setattr(loop_mod.StepLoop, "train_step", real_step)
-        assert main(argv + ["--resume"]) == 0
-        assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000003"
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    monkeypatch.setattr(loop_mod.StepLoop, "train_step", train_step)
+    t = tmp_path / "teachers"
+    argv = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+            str(domain_tokenizer.path), "--out", str(t), "--cells", "arith/low", "--base-steps", "3",
+            "--steps", "1", "--batch-size", "2", "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: stopped after step 2, saved as" in err and "continues from step 2" in err, err
+    assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000002"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    monkeypatch.setattr(loop_mod.StepLoop, "train_step", real_step)
+    assert main(argv + ["--resume"]) == 0
+    assert (t / "base" / "checkpoint" / "latest").read_text().strip() == "step_000003"
 
     asked = {}
     real_fit = loop_mod.StepLoop.fit

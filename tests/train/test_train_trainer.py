@@ -312,11 +312,20 @@ def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeyp
     """A Ctrl-C also reaches helper processes (torch.compile's workers); a step that fails because they died
     ends the run as interrupted (KeyboardInterrupt, the CLI's exit 130), not with the step's error. Without a
     Ctrl-C the same error propagates as itself."""
+    import signal
+
+    # Python's default, whatever an earlier test or a background start (SIGINT inherited as ignored) left
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_case(tmp_path, fake_data, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _ctrl_c_case(tmp_path, fake_data, monkeypatch):
     import os
     import signal
 
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT is handled elsewhere in this process")
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
     real = t.train_step
