@@ -132,6 +132,10 @@ def test_auto_chunk_size_shrinks_with_the_sub_chunk_and_stays_exact():
     long = torch.full((1, 4096, 1, 4), -40.0)
     assert _auto_chunk_sizes(long, 30.0) == (4096 // MAX_AUTO_CHUNKS, 2)     # the floor: 256 chunks of 16
     assert _auto_chunk_sizes(torch.empty(1, 8, 1, 4, device="meta"), 30.0) == (64, 32)
+    from k3.ops.kda.chunk import _auto_sub_chunk_size
+    for x in (long, -3 * torch.rand(1, 4096, 1, 4), -8 * torch.rand(3, 300, 2, 4)):  # the floor: c as for that C
+        C, c = _auto_chunk_sizes(x, 30.0)
+        assert C >= 2 * c and c == _auto_sub_chunk_size(x, C, 30.0), (C, c)
     for decay in ("strong", "spiky", "trained"):
         inputs = list(make_inputs(T=77, decay="strong" if decay == "trained" else decay))
         if decay == "trained":

@@ -86,11 +86,12 @@ def _auto_chunk_sizes(g: torch.Tensor, max_exponent: float) -> tuple[int, int]:
     at C=16 against 87 ms; s = 12: 60 ms at C=4 (c=2) against 190 ms at C=64 (c=2). At T=4096 (B=1, H=4,
     K=V=128) many tiny chunks cost more than they save (C=4: 1.5 s against 0.92 s at C=32 for s = 12), hence the
     floor on C."""
-    B, T = g.shape[:2]
+    T = g.shape[1]
     floor = next((C for C in reversed(AUTO_CHUNK_SIZES) if -(-T // C) <= MAX_AUTO_CHUNKS), AUTO_CHUNK_SIZES[0])
-    c = _auto_sub_chunk_size(g, AUTO_CHUNK_SIZES[0], max_exponent)  # the aligned windows do not depend on C
-    C = max(2 * c, floor)
-    return C, (c if C == 2 * c else _auto_sub_chunk_size(g, C, max_exponent))
+    # the half-sub-chunk windows are aligned from the sequence start whatever C is (C is a multiple of c), so the
+    # sub-chunk size found for C = 64 is the one for every C >= 2c
+    c = _auto_sub_chunk_size(g, AUTO_CHUNK_SIZES[0], max_exponent)
+    return max(2 * c, floor), c
 
 
 def _exact_diag_blocks(g: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
