@@ -7,7 +7,9 @@ FFN 256, one shared expert of 512) on 4096 tokens. 'loop' is the common eager pa
 find its tokens, gather, run, index_add back. 'grouped' sorts the token-slots by expert once and runs all
 experts as batched matmuls (the backend `auto` picks; every backend is timed too). Each repeat times the
 two contenders back to back in alternating order; the speedup is the median of the per-repeat ratios, which
-holds up better than a ratio of medians on a shared machine. GFLOP/s counts the layer's matmul FLOPs
+holds up better than a ratio of medians on a shared machine. `small_batches`: the routed experts' forward +
+backward at mini's demo and training-benchmark step sizes (512 and 1024 tokens), the backend `auto` picks there
+against the slices loop. GFLOP/s counts the layer's matmul FLOPs
 (router, projections, routed and shared experts; backward = 2x forward) and is divided by the median
 GFLOP/s of a 2048^2 fp32 matmul measured in the same process. Writes runs/bench/moe.json atomically.
 """
@@ -102,6 +104,37 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
     }
 
 
+def small_batches(cfg, repeats: int) -> dict:
+    """The routed experts' fwd+bwd at small token counts (mini's demo step, 4 x 128 tokens, and training benchmark
+    step, 8 x 128): the CPU backend the layer picks (`_grouped_backend`) against the slices loop, side by side."""
+    out = {}
+    for batch, seq in ((4, 128), (8, 128)):
+        torch.manual_seed(0)
+        moe = MoE(cfg)
+        x = torch.randn(batch, seq, cfg.d_model)
+        with torch.no_grad():
+            weights, experts = moe.router(x)
+            z = moe.w_down(x.reshape(batch * seq, -1)) if moe.latent else x.reshape(batch * seq, -1)
+        dz = torch.randn(batch * seq, cfg.latent_dim)
+        ex = moe.experts
+
+        def run(backend):
+            def go():
+                ex.impl, ex.backend = "grouped", backend
+                for p in ex.parameters():
+                    p.grad = None
+                ex(z.detach().requires_grad_(), weights, experts).backward(dz)
+            return go
+
+        picked = _grouped_backend(torch.zeros(batch * seq * cfg.n_active_experts, 1), moe.router.last_load)
+        p = paired(run("auto"), run("slices"), max(5, repeats))
+        out[f"tokens_{batch * seq}"] = {"auto_backend": picked, "auto_median_ms": 1e3 * p["a_median_s"],
+                                        "slices_median_ms": 1e3 * p["b_median_s"],
+                                        "speedup_auto_vs_slices": p["ratio_median"],
+                                        "speedup_range": [p["ratio_min"], p["ratio_max"]]}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -117,6 +150,7 @@ def main(argv=None) -> dict:
     info = machine()
     peak_before = matmul_peak(repeats)
     res = bench(cfg, batch, seq, repeats)
+    res["small_batches"] = small_batches(cfg, repeats)
     peak_after = matmul_peak(repeats)
     peak = statistics.median([peak_before["median_gflops"], peak_after["median_gflops"]])
     info["loadavg_1m_end"] = loadavg()

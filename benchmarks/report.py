@@ -51,6 +51,9 @@ HEADLINES = {
         ("layer.forward.speedup_vs_loop", "MoE layer fwd, grouped vs per-expert loop", ""),
         ("fraction_of_matmul_peak", "MoE layer fwd+bwd, fraction of fp32 matmul peak", ""),
         ("layer.forward.fraction_of_matmul_peak", "MoE layer fwd, fraction of fp32 matmul peak", ""),
+        ("small_batches.tokens_512.speedup_auto_vs_slices", "routed experts fwd+bwd at 512 tokens (mini's demo step): "
+                                                             "the CPU's pick (grouped_mm) vs the slices loop", ""),
+        ("small_batches.tokens_1024.speedup_auto_vs_slices", "same at 1024 tokens (the training benchmark's step)", ""),
     ],
     "mx": [
         ("quantize.mxfp4.speedup_vs_torchao_to_mx", "MXFP4 quantize vs torchao to_mx (4096x4096)", ">= 1x"),

@@ -445,3 +445,25 @@ def test_padding_under_balancing_token_mask_does_not_steer_the_balance(balancing
     with pytest.raises(ValueError, match="shape"):
         with balancing_token_mask(r, mask[:, :5]):
             r(x)
+
+
+def test_cpu_backend_follows_the_rows_per_expert():
+    """CPU fp32: torch._grouped_mm while the experts get few rows each (the per-expert loop's overhead shows there),
+    the slices loop once their matmuls dominate; the threshold scales with the threads. CUDA keeps grouped_mm for
+    bf16 only; torch.compile gets the slices (its fake-tensor rule for _grouped_mm takes bf16 only)."""
+    from k3.model.moe import CPU_GROUPED_MM_ROWS_PER_THREAD, _grouped_backend
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm not in this torch")
+    counts = torch.ones(64, dtype=torch.long)
+    threads = torch.get_num_threads()
+    limit = CPU_GROUPED_MM_ROWS_PER_THREAD * threads * 64
+    assert _grouped_backend(torch.zeros(limit, 1), counts) == "grouped_mm"
+    assert _grouped_backend(torch.zeros(limit + 1, 1), counts) == "slices"
+    assert _grouped_backend(torch.zeros(limit, 1, dtype=torch.float64), counts) == "slices"
+    torch.set_num_threads(threads + 1)
+    try:
+        assert _grouped_backend(torch.zeros(limit + 1, 1), counts) == "grouped_mm"
+    finally:
+        torch.set_num_threads(threads)
+    assert _grouped_backend(torch.zeros(1, 1, device="meta"), counts) == "slices"
