@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from k3.benchtools import bench_out, machine, matmul_peak, write_result, positive_int
 from k3.ops.kda import chunk_kda
+from k3.ops.kda.chunk import _auto_chunk_sizes
 
 
 def make_inputs(B, T, H, K, V, strong=False, requires_grad=False):
@@ -85,7 +86,6 @@ def train_shape(reps: int, naive_recurrent_kda) -> dict:
             ref, _ = naive_recurrent_kda(*inputs)
             err = {n: ((chunk_kda(*inputs, **kw)[0] - ref).abs().max() / ref.abs().max()).item()
                    for n, kw in (("c64", {"chunk_size": 64}), ("auto", {}))}
-        from k3.ops.kda.chunk import _auto_chunk_sizes
         out[name] = {"auto_chunk_and_sub_chunk": list(_auto_chunk_sizes(inputs[3].detach(), 30.0)),
                      "c64_median_s": statistics.median(times["c64"]), "auto_median_s": statistics.median(times["auto"]),
                      "speedup_auto_vs_c64": statistics.median(times["c64"]) / statistics.median(times["auto"]),

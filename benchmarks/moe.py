@@ -55,7 +55,9 @@ def _compare(make, flops: int, repeats: int) -> dict:
     return out
 
 
-def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
+def _routed_inputs(cfg, batch: int, seq: int) -> tuple:
+    """A MoE layer (seed 0) and one step's inputs: x and its output gradient dy for the layer; the router's
+    weights and experts, the latent tokens z and their output gradient dz for the routed experts alone."""
     torch.manual_seed(0)
     moe = MoE(cfg)
     tokens = batch * seq
@@ -65,6 +67,28 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
         weights, experts = moe.router(x)
         z = moe.w_down(x.reshape(tokens, -1)) if moe.latent else x.reshape(tokens, -1)
     dz = torch.randn(tokens, cfg.latent_dim)
+    return moe, x, dy, weights, experts, z, dz
+
+
+def _experts_run(moe, z, weights, experts, dz, mode: str, impl: str, backend: str):
+    """The routed experts alone, forward ('forward') or forward + backward, as one callable."""
+    ex = moe.experts
+
+    def run():
+        ex.impl, ex.backend = impl, backend
+        if mode == "forward":
+            with torch.no_grad():
+                ex(z, weights, experts)
+            return
+        for p in ex.parameters():
+            p.grad = None
+        ex(z.detach().requires_grad_(), weights, experts).backward(dz)
+    return run
+
+
+def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
+    moe, x, dy, weights, experts, z, dz = _routed_inputs(cfg, batch, seq)
+    tokens = batch * seq
 
     def make_layer(mode, impl, backend):
         def run():
@@ -79,18 +103,7 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
         return run
 
     def make_experts(mode, impl, backend):
-        ex = moe.experts
-
-        def run():
-            ex.impl, ex.backend = impl, backend
-            if mode == "forward":
-                with torch.no_grad():
-                    ex(z, weights, experts)
-                return
-            for p in ex.parameters():
-                p.grad = None
-            ex(z.detach().requires_grad_(), weights, experts).backward(dz)
-        return run
+        return _experts_run(moe, z, weights, experts, dz, mode, impl, backend)
 
     load = moe.router.last_load.float()
     flops = layer_flops(cfg, tokens)
@@ -109,25 +122,10 @@ def small_batches(cfg, repeats: int) -> dict:
     step, 8 x 128): the CPU backend the layer picks (`_grouped_backend`) against the slices loop, side by side."""
     out = {}
     for batch, seq in ((4, 128), (8, 128)):
-        torch.manual_seed(0)
-        moe = MoE(cfg)
-        x = torch.randn(batch, seq, cfg.d_model)
-        with torch.no_grad():
-            weights, experts = moe.router(x)
-            z = moe.w_down(x.reshape(batch * seq, -1)) if moe.latent else x.reshape(batch * seq, -1)
-        dz = torch.randn(batch * seq, cfg.latent_dim)
-        ex = moe.experts
-
-        def run(backend):
-            def go():
-                ex.impl, ex.backend = "grouped", backend
-                for p in ex.parameters():
-                    p.grad = None
-                ex(z.detach().requires_grad_(), weights, experts).backward(dz)
-            return go
-
+        moe, _, _, weights, experts, z, dz = _routed_inputs(cfg, batch, seq)
         picked = _grouped_backend(torch.zeros(batch * seq * cfg.n_active_experts, 1), moe.router.last_load)
-        p = paired(run("auto"), run("slices"), max(5, repeats))
+        p = paired(*(_experts_run(moe, z, weights, experts, dz, "forward_backward", "grouped", b)
+                     for b in ("auto", "slices")), max(5, repeats))
         out[f"tokens_{batch * seq}"] = {"auto_backend": picked, "auto_median_ms": 1e3 * p["a_median_s"],
                                         "slices_median_ms": 1e3 * p["b_median_s"],
                                         "speedup_auto_vs_slices": p["ratio_median"],

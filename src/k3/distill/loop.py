@@ -75,6 +75,9 @@ class LoopConfig:
         return dataclasses.asdict(self)
 
 
+# how a stopped run goes on (a Ctrl-C's message)
+RESUME_ADVICE = ": the same command with --resume (and without --overwrite) continues from step {}"
+
 # Settings a resumed run must share with the run it continues (the learning-rate schedule's among them: a resumed
 # run repeats the uninterrupted one). `steps` is not one of them: a run may be continued to more steps.
 RESUME_FIELDS = ("seed", "optimizer", "lr", "warmup_steps", "decay_frac", "min_lr_ratio", "weight_decay", "grad_clip")
@@ -139,7 +142,7 @@ class StepLoop:
         run after the step in progress, saves that step and raises KeyboardInterrupt saying so and how `--resume`
         goes on; a second one stops at once (the last saved checkpoint stands). Without it, Ctrl-C raises
         KeyboardInterrupt as usual and SIGTERM keeps its default."""
-        from k3.train.trainer import _GracefulInterrupt
+        from k3.train.trainer import GracefulInterrupt
         if resume:
             self.resume()
         elif self.ckpt_dir is not None and ckpt.latest_checkpoint(self.ckpt_dir) is not None:
@@ -164,7 +167,7 @@ class StepLoop:
                 if rec is not None:
                     emit({"kind": "eval", "step": self.step, **rec})
 
-        interrupt = _GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
+        interrupt = GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
         try:
             if not resume and self.step == 0:
                 run_eval()
@@ -190,8 +193,7 @@ class StepLoop:
                     if saved is None or not saved.name.endswith(f"_{self.step:06d}"):
                         saved = self.save()
                     where = f"stopped after step {self.step}, saved as {saved}"
-                    stop = KeyboardInterrupt(f"{where}: the same command with --resume (and without --overwrite) "
-                                             f"continues from step {self.step}")
+                    stop = KeyboardInterrupt(where + RESUME_ADVICE.format(self.step))
                     stop.where = where
                     raise stop
             trained = any(r.get("kind") == "train" for r in records)
@@ -216,7 +218,7 @@ class StepLoop:
         lost = "" if self.step <= done else f" (step {self.step} is trained again)" if self.step == done + 1 else \
             f" (steps {done + 1}-{self.step} are trained again)"
         return (f"stopped in step {self.step + 1}; the last checkpoint is {latest}",
-                f": the same command with --resume (and without --overwrite) continues from step {done}{lost}")
+                RESUME_ADVICE.format(done) + lost)
 
     def train_step(self, step_fn: Callable[[int], dict]) -> dict:
         model = self.model

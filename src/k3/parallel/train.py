@@ -368,7 +368,7 @@ class ParallelTrainer:
         SIGINT or SIGTERM to any rank (torchrun passes on what it receives) ends the run on every rank after the
         same step, which is saved; `interrupted` is set. A second signal stops that rank at once."""
         from k3.train.metrics import MetricsWriter
-        from k3.train.trainer import _GracefulInterrupt
+        from k3.train.trainer import GracefulInterrupt
 
         tc = self.tc
         if resume:
@@ -391,7 +391,7 @@ class ParallelTrainer:
         start = time.perf_counter()
         saved = None
         agree = graceful_interrupt and self.ckpt_dir is not None  # the same on every rank: all take part or none
-        interrupt = _GracefulInterrupt(agree, announce=self.ctx.rank == 0)
+        interrupt = GracefulInterrupt(agree, announce=self.ctx.rank == 0)
         try:
             while self.step < tc.steps:
                 rec = self.train_step()

@@ -628,7 +628,7 @@ class Trainer:
             if cb is not None:
                 cb(rec)
 
-        interrupt = _GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
+        interrupt = GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
         try:
             if tc.eval_at_start and self.step == 0:
                 v = self.run_eval()
@@ -702,7 +702,7 @@ class Trainer:
         return result
 
 
-class _GracefulInterrupt:
+class GracefulInterrupt:
     """While a run with a checkpoint directory trains, the first SIGINT (Ctrl-C) or SIGTERM (`kill PID`, a
     supervisor's stop, `docker stop`, a scheduler's preemption) asks it to stop after the step in progress and save a
     checkpoint (a step cut half way, e.g. inside the optimizer update, could not be saved as any step); a second one
