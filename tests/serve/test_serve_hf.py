@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from k3.config import get_config  # noqa: E402
 from k3.data.corpus import open_corpus  # noqa: E402
-from k3.data.tokenizer import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
+from k3.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer  # noqa: E402
 from k3.model.transformer import K3Model  # noqa: E402
 from k3.serve.hf import (K3ForCausalLM, K3GenerationCache, K3HFConfig, check_tokenizer, export_hf,  # noqa: E402
                          load_hf, to_hf_tokenizer)
@@ -173,6 +173,26 @@ def test_tokenizer_round_trip_as_pretrained_tokenizer_fast(tok, tmp_path):
         assert hf(s)["input_ids"] == tok.encode(s), s
         assert hf.decode(hf(s)["input_ids"]) == s
     check_tokenizer(hf, vocab_size=VOCAB)
+
+
+def test_an_hf_exports_tokenizer_is_the_tokenizer_it_came_from(tok, tmp_path):
+    """save_pretrained adds a post-processor that adds nothing: loaded back into k3, the exported tokenizer.json
+    has the fingerprint datasets and checkpoints recorded (it was refused as another tokenizer); one that adds a
+    token does not."""
+    import json as _json
+
+    from tokenizers import Tokenizer as RawTokenizer
+    to_hf_tokenizer(tok).save_pretrained(tmp_path / "hf")
+    spec = _json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    assert spec["post_processor"] is not None and tok.hf.post_processor is None
+    back = load_tokenizer(tmp_path / "hf")
+    assert back.fingerprint == tok.fingerprint and back.encode("x = 1\n") == tok.encode("x = 1\n")
+    spec["post_processor"]["single"].insert(0, {"SpecialToken": {"id": "<|bos|>", "type_id": 0}})
+    spec["post_processor"]["special_tokens"] = {"<|bos|>": {"id": "<|bos|>", "ids": [0], "tokens": ["<|bos|>"]}}
+    (tmp_path / "bos.json").write_text(_json.dumps(spec))
+    bos = load_tokenizer(tmp_path / "bos.json")
+    assert bos.hf.encode("x").ids[0] == 0 and bos.fingerprint != tok.fingerprint
+    assert RawTokenizer.from_str(tok.hf.to_str()).to_str() == tok.hf.to_str()
 
 
 

@@ -10,6 +10,7 @@ train split, in sorted file order), which keeps BPE training to seconds on two C
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import operator
 import os
@@ -34,6 +35,11 @@ MAX_VOCAB_SIZE = 1 << 20
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_TOKENIZER_MAX_BYTES = 20_000_000
 TOKENIZER_FILE = "tokenizer.json"
+# The post-processor transformers' `save_pretrained` writes when a tokenizer has none: each sequence as it is.
+_ADDS_NOTHING = {"type": "TemplateProcessing",
+                 "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                 "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                 "special_tokens": {}}
 
 
 # ---------------------------------------------------------------------- the tokenizer
@@ -69,8 +75,20 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the serialised tokenizer; datasets record it to detect a tokenizer swap."""
-        return hashlib.sha256(self.hf.to_str().encode("utf-8")).hexdigest()
+        """sha256 of the serialised tokenizer; datasets record it to detect a tokenizer swap.
+
+        A post-processor that adds no tokens is hashed as none: transformers' `save_pretrained` writes one
+        into an HF export's tokenizer.json, which gives exactly the ids of the tokenizer it was exported from.
+        """
+        text = self.hf.to_str()
+        if self.hf.post_processor is not None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            spec = json.loads(text)
+            if spec.get("post_processor") == _ADDS_NOTHING:
+                spec["post_processor"] = None
+                text = HFTokenizer.from_str(json.dumps(spec)).to_str()
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def special_id(self, name: str) -> int:
         """Id of a special token, by full form (`"<|eos|>"`) or short name (`"eos"`, `"effort:high"`)."""
