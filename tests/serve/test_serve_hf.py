@@ -257,6 +257,8 @@ def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
     # re-export into the same directory replaces it whole
     export_hf(tmp_path / "ckpt", out, tokenizer_path=tok.path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    # the export's own tokenizer is the training tokenizer too
+    export_hf(tmp_path / "ckpt", tmp_path / "hf2", tokenizer_path=out)
 
 
 def test_k3_export_format_hf_cli(tok, tmp_path, capsys):
