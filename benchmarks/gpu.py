@@ -333,7 +333,8 @@ def moe_check(dev, quick):
     out["grouped_bf16_grad_rel_err_vs_bf16_loop"] = {
         k: rel(grads["grouped"][k], grads["loop_bf16"][k]) for k in grads["loop"] if grads["loop"][k] is not None}
     from k3.model.moe import _grouped_backend
-    out["auto_backend_bf16"] = _grouped_backend(x.bfloat16().view(N, -1), torch.ones(cfg.n_experts, dtype=torch.long))
+    out["auto_backend_bf16"] = _grouped_backend(x.bfloat16().view(N, -1), torch.ones(cfg.n_experts, dtype=torch.long),
+                                               moe.experts.w1, moe.experts.w2)
     return out
 
 

@@ -109,7 +109,8 @@ def bench(cfg, batch: int, seq: int, repeats: int) -> dict:
     flops = layer_flops(cfg, tokens)
     return {
         "tokens": tokens, "batch": batch, "seq": seq,
-        "auto_backend": _grouped_backend(torch.zeros(tokens * cfg.n_active_experts, 1), moe.router.last_load),
+        "auto_backend": _grouped_backend(z.new_zeros(tokens * cfg.n_active_experts, z.shape[-1]), moe.router.last_load,
+                                         moe.experts.w1, moe.experts.w2),
         "load_max_over_mean": (load.max() / load.mean()).item(),
         "forward_flops": flops,
         "layer": _compare(make_layer, flops["layer"], repeats),
@@ -123,7 +124,8 @@ def small_batches(cfg, repeats: int) -> dict:
     out = {}
     for batch, seq in ((4, 128), (8, 128)):
         moe, _, _, weights, experts, z, dz = _routed_inputs(cfg, batch, seq)
-        picked = _grouped_backend(torch.zeros(batch * seq * cfg.n_active_experts, 1), moe.router.last_load)
+        picked = _grouped_backend(z.new_zeros(batch * seq * cfg.n_active_experts, z.shape[-1]), moe.router.last_load,
+                                  moe.experts.w1, moe.experts.w2)
         p = paired(*(_experts_run(moe, z, weights, experts, dz, "forward_backward", "grouped", b)
                      for b in ("auto", "slices")), max(5, repeats))
         out[f"tokens_{batch * seq}"] = {"auto_backend": picked, "auto_median_ms": 1e3 * p["a_median_s"],

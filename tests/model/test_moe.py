@@ -450,20 +450,66 @@ def test_padding_under_balancing_token_mask_does_not_steer_the_balance(balancing
 def test_cpu_backend_follows_the_rows_per_expert():
     """CPU fp32: torch._grouped_mm while the experts get few rows each (the per-expert loop's overhead shows there),
     the slices loop once their matmuls dominate; the threshold scales with the threads. CUDA keeps grouped_mm for
-    bf16 only; torch.compile gets the slices (its fake-tensor rule for _grouped_mm takes bf16 only)."""
+    bf16 only; torch.compile and CPU autocast get the slices (no _grouped_mm rule there for what they pass), and so
+    do widths that are not a multiple of 16 bytes, which torch._grouped_mm refuses."""
     from k3.model.moe import CPU_GROUPED_MM_ROWS_PER_THREAD, _grouped_backend
 
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm not in this torch")
     counts = torch.ones(64, dtype=torch.long)
+    w1, w2 = torch.zeros(64, 4, 8), torch.zeros(64, 8, 4)
     threads = torch.get_num_threads()
     limit = CPU_GROUPED_MM_ROWS_PER_THREAD * threads * 64
-    assert _grouped_backend(torch.zeros(limit, 1), counts) == "grouped_mm"
-    assert _grouped_backend(torch.zeros(limit + 1, 1), counts) == "slices"
-    assert _grouped_backend(torch.zeros(limit, 1, dtype=torch.float64), counts) == "slices"
+    assert _grouped_backend(torch.zeros(limit, 4), counts, w1, w2) == "grouped_mm"
+    assert _grouped_backend(torch.zeros(limit + 1, 4), counts, w1, w2) == "slices"
+    assert _grouped_backend(torch.zeros(limit, 4, dtype=torch.float64), counts, w1, w2) == "slices"
     torch.set_num_threads(threads + 1)
     try:
-        assert _grouped_backend(torch.zeros(limit + 1, 1), counts) == "grouped_mm"
+        assert _grouped_backend(torch.zeros(limit + 1, 4), counts, w1, w2) == "grouped_mm"
     finally:
         torch.set_num_threads(threads)
-    assert _grouped_backend(torch.zeros(1, 1, device="meta"), counts) == "slices"
+    assert _grouped_backend(torch.zeros(1, 4, device="meta"), counts, w1, w2) == "slices"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _grouped_backend(torch.zeros(limit, 4), counts, w1, w2) == "slices"
+    for x, a, b in ((torch.zeros(limit, 3), torch.zeros(64, 3, 8), torch.zeros(64, 8, 3)),  # dim 3
+                    (torch.zeros(limit, 4), torch.zeros(64, 4, 6), w2)):                  # ffn 6
+        assert _grouped_backend(x, counts, a, b) == "slices"
+
+
+@pytest.mark.parametrize("dim,ffn", [(30, 32), (32, 30), (5, 7)])
+def test_experts_of_widths_grouped_mm_refuses_run_on_the_slices(dim, ffn):
+    """A width that is not a multiple of 4 fp32 values: torch._grouped_mm refuses such rows, so 'auto' takes the
+    slices (a model with expert_ffn 30, or the ablation's FLOP-matched standard MoE at width 43, crashed at small
+    steps); asking for grouped_mm by name says what to change."""
+    from k3.model.moe import grouped_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = torch.randn(9, dim, generator=g, requires_grad=True)
+    w1, w3 = (torch.randn(4, dim, ffn, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(4, ffn, dim, generator=g, requires_grad=True)
+    auto = grouped_swiglu(x, counts, w1, w3, w2)
+    auto.square().sum().backward()
+    assert torch.equal(auto, grouped_swiglu(x, counts, w1, w3, w2, backend="slices"))
+    assert x.grad is not None and torch.isfinite(w1.grad).all()
+    if hasattr(torch, "_grouped_mm"):
+        with pytest.raises(ValueError, match="multiple of 4.*'slices'"):
+            grouped_swiglu(x, counts, w1, w3, w2, backend="grouped_mm")
+
+
+def test_cpu_autocast_runs_the_experts_from_fp32_inputs():
+    """Under CPU bf16 autocast an fp32 x reaching the experts (a direct caller) is cast by autocast; 'auto' takes the
+    slices there (torch._grouped_mm's backward failed with an unrelated stride message)."""
+    from k3.model.moe import grouped_swiglu
+
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([3, 0, 4, 1])
+    x = torch.randn(8, 16, generator=g, requires_grad=True)
+    w1, w3 = (torch.randn(4, 16, 32, generator=g, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(4, 32, 16, generator=g, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_swiglu(x, counts, w1, w3, w2)
+    out.float().sum().backward()
+    want = grouped_swiglu(x, counts, w1, w3, w2, backend="slices")
+    assert out.shape == (8, 16) and ((out.float() - want).norm() / want.norm()).item() < 0.02  # bf16 rounding
+    assert x.grad is not None and torch.isfinite(w2.grad).all()

@@ -282,8 +282,12 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     """
     act = act or (lambda h: h)
     if backend == "auto":
-        backend = _grouped_backend(x, counts)
+        backend = _grouped_backend(x, counts, w1, w2)
     if backend == "grouped_mm":
+        if not _rows_aligned(x, w1, w2):
+            raise ValueError(f"grouped backend 'grouped_mm' needs every width (dim {x.shape[-1]}, ffn "
+                             f"{w1.shape[-1]}) to be a multiple of {16 // x.element_size()} in {x.dtype} (torch."
+                             "_grouped_mm takes rows of a multiple of 16 bytes); use backend 'slices' or 'auto'")
         # torch._grouped_mm wants one dtype; under autocast x arrives in bf16 while the weights are fp32
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
         offs = counts.cumsum(0).to(torch.int32)
@@ -311,7 +315,13 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
 CPU_GROUPED_MM_ROWS_PER_THREAD = 64  # CPU: torch._grouped_mm while the mean rows per expert <= this x threads
 
 
-def _grouped_backend(x: torch.Tensor, counts: torch.Tensor) -> str:
+def _rows_aligned(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm refuses operands whose rows are not a multiple of 16 bytes (torch 2.13): every width
+    the experts' matmuls read or write, in x's dtype (the weights are cast to it)."""
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w1.shape[-1], w2.shape[-1]))
+
+
+def _grouped_backend(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> str:
     """The one place that picks the grouped kernel for a device / dtype (measured in benchmarks/moe.py).
 
     CUDA: torch._grouped_mm for bf16, one kernel per weight instead of one launch per expert. CPU: a loop
@@ -321,14 +331,17 @@ def _grouped_backend(x: torch.Tensor, counts: torch.Tensor) -> str:
     faster: measured fwd+bwd of 64 experts, top-8, widths 128 -> 256 (mini's), mean rows per expert 64 / 128 /
     256 / 512: at 2 threads 1.47x / 1.28x / 1.10x / 0.89x the slices, at 1 thread 1.25x / 0.97x / 0.94x /
     0.82x. Hence grouped_mm up to 64 rows per expert per thread (`CPU_GROUPED_MM_ROWS_PER_THREAD`), except under
-    torch.compile, whose fake-tensor rule for torch._grouped_mm (torch 2.13) accepts bf16 only.
+    torch.compile, whose fake-tensor rule for torch._grouped_mm (torch 2.13) accepts bf16 only, and under CPU
+    autocast (it casts an fp32 x to bf16 there, for which the CPU kernel has no rule). Widths that are not a
+    multiple of 16 bytes (`_rows_aligned`) take the slices on any device.
     """
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or not _rows_aligned(x, w1, w2):
         return "slices"
     if x.device.type == "cuda":
         return "grouped_mm" if x.dtype == torch.bfloat16 else "slices"
     few_rows = x.shape[0] <= CPU_GROUPED_MM_ROWS_PER_THREAD * torch.get_num_threads() * counts.numel()
-    if x.device.type == "cpu" and x.dtype == torch.float32 and few_rows and not torch.compiler.is_compiling():
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and few_rows and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled("cpu")):
         return "grouped_mm"
     return "slices"
 
