@@ -94,10 +94,12 @@ def test_sigterm_or_ctrl_c_saves_the_step_in_progress_and_resume_matches(tmp_pat
     straight.fit(_signalling_step(straight, x3, {}))
     for a, b in zip(again.model.state_dict().values(), straight.model.state_dict().values()):
         assert torch.equal(a, b)
-    # a signal during the last step: the run simply completes (nothing to resume)
+    # a signal during the last step: the run completes and is saved, and the caller still learns of the stop
+    # (k3 distill teachers went on into its next stage, ignoring a supervisor's SIGTERM)
     last, x4 = _loop(tmp_path / "last")
-    records = last.fit(_signalling_step(last, x4, {5: [signal.SIGTERM]}), graceful_interrupt=True)
-    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(KeyboardInterrupt, match="stopped after step 6, the last of this run, saved as .*step_000006"):
+        last.fit(_signalling_step(last, x4, {5: [signal.SIGTERM]}), graceful_interrupt=True)
+    assert last.step == 6 and ckpt.latest_checkpoint(tmp_path / "last" / "run" / "checkpoint").name == "step_000006"
     # a second signal stops at once: the step in progress is lost, the last checkpoint (step 2) stands
     twice, x5 = _loop(tmp_path / "twice")
     with pytest.raises(KeyboardInterrupt, match="stopped in step 4; the last checkpoint is .*step_000002"):
@@ -107,6 +109,40 @@ def test_sigterm_or_ctrl_c_saves_the_step_in_progress_and_resume_matches(tmp_pat
     plain, _ = _loop(tmp_path / "plain")
     plain.fit(lambda i: (signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or pytest.fail("handler installed"))
               and {"loss": plain.model(x).float().logsumexp(-1).mean()})
+
+
+def test_a_signal_outside_the_steps_stops_where_it_came(tmp_path, default_signals, monkeypatch):
+    """A signal during the first evaluation stops before step 1 (it trained and saved a whole step first); a second
+    signal while a checkpoint is saved names the checkpoint left (it raised a blank KeyboardInterrupt)."""
+    import os
+    import signal
+
+    loop, x = _loop(tmp_path / "first")
+
+    def evaluate(step):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"score": 0.0}
+
+    with pytest.raises(KeyboardInterrupt, match="stopped before step 1; no checkpoint was saved yet") as ex:
+        loop.fit(_signalling_step(loop, x, {}), evaluate=evaluate, graceful_interrupt=True)
+    assert loop.step == 0 and ex.value.where == "stopped before step 1"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    saving, x2 = _loop(tmp_path / "saving")
+    real_save = StepLoop.save
+
+    def save(self):
+        if self.step == 4:  # the save after step 4 (ckpt_every 2), a first and a second signal during it
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(self)
+
+    monkeypatch.setattr(StepLoop, "save", save)
+    with pytest.raises(KeyboardInterrupt, match=r"stopped while saving step 4; the last checkpoint is .*step_000002.*"
+                                                r"continues from step 2 \(steps 3-4 are trained again\)"):
+        saving.fit(_signalling_step(saving, x2, {}), graceful_interrupt=True)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_step_failed_after_the_signal_is_an_interruption(tmp_path, default_signals):

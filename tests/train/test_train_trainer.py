@@ -408,3 +408,49 @@ def _sigterm_case(tmp_path, fake_data, monkeypatch):
         t2.fit(graceful_interrupt=True)
     assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint") is None
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_signal_before_the_first_step_or_in_the_last_stops_the_caller(tmp_path, fake_data, monkeypatch):
+    """A SIGTERM during the first evaluation stops before step 1 (a whole step was trained and saved first); one
+    during the last step completes and saves the run and still reports it interrupted, so `k3 demo` skips its
+    samples and plots instead of running on after the signal."""
+    import signal
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _first_and_last_case(tmp_path, fake_data, monkeypatch)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _first_and_last_case(tmp_path, fake_data, monkeypatch):
+    import os
+    import signal
+
+    cfg, data = get_config("tiny"), fake_data()
+    t = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, ckpt_every=0, eval_at_start=True)), data, data, tmp_path)
+    real_eval = t.run_eval
+
+    def run_eval():
+        if t.step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_eval()
+
+    monkeypatch.setattr(t, "run_eval", run_eval)
+    result = t.fit(graceful_interrupt=True)
+    assert result.interrupted and result.steps_done == 0 and not result.losses and result.checkpoint is None
+    assert ckpt.latest_checkpoint(tmp_path / "checkpoint") is None
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, ckpt_every=0)), data, None, tmp_path / "b")
+    real = t2.train_step
+
+    def step():
+        if t2.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # during the last step
+        return real()
+
+    monkeypatch.setattr(t2, "train_step", step)
+    result = t2.fit(graceful_interrupt=True)
+    assert result.interrupted and result.steps_done == 3
+    assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint").name == "step_000003"

@@ -83,6 +83,14 @@ RESUME_ADVICE = ": the same command with --resume (and without --overwrite) cont
 RESUME_FIELDS = ("seed", "optimizer", "lr", "warmup_steps", "decay_frac", "min_lr_ratio", "weight_decay", "grad_clip")
 
 
+def _stop(where: str, advice: str) -> KeyboardInterrupt:
+    """The KeyboardInterrupt a graceful stop raises: its message says where the run stopped and how to go on;
+    `where` alone is kept for a caller whose own advice differs (k3 rl --demo has no --resume)."""
+    stop = KeyboardInterrupt(f"{where}{advice}")
+    stop.where = where
+    return stop
+
+
 class StepLoop:
     """Runs `step_fn` for `config.steps` optimizer steps on `model`, writing OUT/metrics.jsonl and
     OUT/checkpoint/. `manifest_extra` is stored in every checkpoint (e.g. the tokenizer's sha256);
@@ -168,11 +176,17 @@ class StepLoop:
                     emit({"kind": "eval", "step": self.step, **rec})
 
         interrupt = GracefulInterrupt(graceful_interrupt and self.ckpt_dir is not None)
+        doing = None  # what a second signal interrupts, for its message: None (a step) or "evaluating"/"saving"
         try:
             if not resume and self.step == 0:
+                doing = "evaluating"
                 run_eval()
             saved = None
             while not self._done():
+                if interrupt.requested:  # the signal came before this step (during the first evaluation)
+                    where, advice = self._interrupted_message("before")
+                    raise _stop(where, advice)
+                doing = None
                 try:
                     rec = self.train_step(step_fn)
                 except (KeyboardInterrupt, Exception) as e:
@@ -181,44 +195,57 @@ class StepLoop:
                     # a second signal, or a step that failed because the first one also reached a helper: the
                     # step in progress is lost, the last checkpoint stands
                     where, advice = self._interrupted_message()
-                    stop = KeyboardInterrupt(f"{where}{advice}")
-                    stop.where = where  # for a caller whose own advice differs (k3 rl --demo has no --resume)
-                    raise stop from None if isinstance(e, KeyboardInterrupt) else e
+                    raise _stop(where, advice) from None if isinstance(e, KeyboardInterrupt) else e
                 emit(rec)
                 if self.lc.eval_every and self.step % self.lc.eval_every == 0 and not self._done():
+                    doing = "evaluating"
                     run_eval()
                 if self.ckpt_dir is not None and self.lc.ckpt_every and self.step % self.lc.ckpt_every == 0:
+                    doing = "saving"
                     saved = self.save()
-                if interrupt.requested and not self._done():  # on the last step the run simply completes
+                if interrupt.requested and not self._done():  # on the last step the run completes, below
                     if saved is None or not saved.name.endswith(f"_{self.step:06d}"):
+                        doing = "saving"
                         saved = self.save()
-                    where = f"stopped after step {self.step}, saved as {saved}"
-                    stop = KeyboardInterrupt(where + RESUME_ADVICE.format(self.step))
-                    stop.where = where
-                    raise stop
+                    raise _stop(f"stopped after step {self.step}, saved as {saved}", RESUME_ADVICE.format(self.step))
             trained = any(r.get("kind") == "train" for r in records)
             if trained and records[-1].get("kind") == "train":  # a final evaluation after the last step
+                doing = "evaluating"
                 run_eval()
             fresh = ckpt.latest_checkpoint(self.ckpt_dir) is None if self.ckpt_dir is not None else False
             if self.ckpt_dir is not None and (trained or fresh) and \
                     (saved is None or not saved.name.endswith(f"_{self.step:06d}")):
-                self.save()
+                doing = "saving"
+                saved = self.save()
+            if interrupt.requested:  # during the last step, its evaluation or its save: the run is complete and
+                # saved, and the caller stops too (`k3 distill teachers` would go on to its next stage)
+                latest = ckpt.latest_checkpoint(self.ckpt_dir)
+                raise _stop(f"stopped after step {self.step}, the last of this run, saved as {latest}",
+                            RESUME_ADVICE.format(self.step))
+        except KeyboardInterrupt as e:
+            if hasattr(e, "where") or not interrupt.requested:
+                raise
+            # a second signal while evaluating or saving (an interrupted save leaves the checkpoint before it)
+            where, advice = self._interrupted_message(doing)
+            raise _stop(where, advice) from None
         finally:
             interrupt.restore()
             if writer is not None:
                 writer.close()
         return records
 
-    def _interrupted_message(self) -> tuple[str, str]:
-        """What a Ctrl-C during step self.step + 1 leaves (the last checkpoint), and how to continue from it."""
+    def _interrupted_message(self, doing: str | None = None) -> tuple[str, str]:
+        """What a stop leaves (the last checkpoint), and how to continue from it. `doing`: None for a stop in step
+        self.step + 1, "before" for one before it, "evaluating" or "saving" for one after step self.step."""
         latest = ckpt.latest_checkpoint(self.ckpt_dir) if self.ckpt_dir is not None else None
+        at = {None: f"in step {self.step + 1}", "before": f"before step {self.step + 1}"}.get(
+            doing, f"while {doing} step {self.step}" if self.step else f"while {doing} before the first step")
         if latest is None:
-            return f"stopped in step {self.step + 1}", "; no checkpoint was saved yet, so the same command starts over"
+            return f"stopped {at}", "; no checkpoint was saved yet, so the same command starts over"
         done = int(latest.name.rsplit("_", 1)[-1])
         lost = "" if self.step <= done else f" (step {self.step} is trained again)" if self.step == done + 1 else \
             f" (steps {done + 1}-{self.step} are trained again)"
-        return (f"stopped in step {self.step + 1}; the last checkpoint is {latest}",
-                RESUME_ADVICE.format(done) + lost)
+        return f"stopped {at}; the last checkpoint is {latest}", RESUME_ADVICE.format(done) + lost
 
     def train_step(self, step_fn: Callable[[int], dict]) -> dict:
         model = self.model

@@ -271,7 +271,10 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
                       f"{result.losses[-1]:.4f}")
             print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count; "
                   "k3 eval / sample / export read it as it is)")
-            if result.interrupted:
+            if result.interrupted and result.steps_done >= trainer.tc.steps:
+                print(f"interrupted during the run's last step ({result.steps_done}): the run is complete and saved",
+                      file=sys.stderr, flush=True)
+            elif result.interrupted:
                 print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
                       file=sys.stderr, flush=True)
     finally:

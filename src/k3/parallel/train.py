@@ -404,7 +404,7 @@ class ParallelTrainer:
                 stop = agree and self._agree_to_stop(interrupt.requested)
                 if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final or stop):
                     saved = self.save()
-                if stop and not final:
+                if stop:  # in the last step too: that run is complete and saved, and reported interrupted
                     result.interrupted = True
                     log.info("interrupted at step %d: saved a checkpoint of it on every rank", self.step)
                     break

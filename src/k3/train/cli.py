@@ -156,6 +156,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     plots = plot_all(args.out)
     if not result.losses and result.stopped_early:
         print(f"the time budget ({args.max_minutes} min) ended before the first step; raise --max-minutes")
+    elif not result.losses and result.interrupted:
+        print(f"stopped before step {result.steps_done + 1}: nothing trained in this run")
     elif not result.losses:  # a resumed run that was already at --steps
         print(f"already at step {result.steps_done} ({result.tokens:,} tokens): nothing to train; raise --steps "
               "to continue")
@@ -172,8 +174,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"plots      {', '.join(str(p) for p in plots.values())}")
     print(f"checkpoint {result.checkpoint or 'none written'}")
     if result.interrupted:
-        print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
-              file=sys.stderr)
+        if result.checkpoint is None:
+            print("interrupted before the first step: nothing was saved; the same command starts over",
+                  file=sys.stderr)
+        elif not result.losses:
+            print(f"interrupted before step {result.steps_done + 1}: `k3 train ... --out {args.out} --resume` "
+                  f"continues from step {result.steps_done}", file=sys.stderr)
+        elif result.steps_done >= trainer.tc.steps:
+            print(f"interrupted during the run's last step ({result.steps_done}): the run is complete and saved",
+                  file=sys.stderr)
+        else:
+            print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
+                  file=sys.stderr)
         return 130
     return 0
 
@@ -348,8 +360,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if result.interrupted:  # the checkpoint is saved; samples, plots and the summary are skipped
-        print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'} (a new "
-              "k3 demo starts over; `k3 sample`/`k3 eval --ckpt` read it)", file=sys.stderr)
+        if result.checkpoint is None:
+            print("k3 demo: interrupted before the first step; nothing was saved", file=sys.stderr)
+        else:
+            print(f"k3 demo: interrupted at step {result.steps_done}; its checkpoint is in {out / 'checkpoint'} (a "
+                  "new k3 demo starts over; `k3 sample`/`k3 eval --ckpt` read it)", file=sys.stderr)
         return 130
     if not result.losses:  # nothing trained, nothing saved: no samples, plots or summary to show
         raise ValueError(f"--minutes {args.minutes}: the time budget ended before the first training step (with its "

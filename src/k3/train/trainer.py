@@ -598,9 +598,11 @@ class Trainer:
             on_eval: Callable[[dict], None] | None = None, graceful_interrupt: bool = False) -> TrainResult:
         """Train until `steps` (or the time budget); evaluate and checkpoint periodically and at the end.
 
-        `graceful_interrupt` (the `k3 train` and `k3 demo` commands): the first Ctrl-C ends the run after the step
-        in progress, saves it and returns with `interrupted` set; the caller must then stop, since the run did not
-        finish. Without it, Ctrl-C raises KeyboardInterrupt as usual."""
+        `graceful_interrupt` (the `k3 train` and `k3 demo` commands): the first SIGINT (Ctrl-C) or SIGTERM ends the
+        run after the step in progress (or before the first step, when it comes during the first evaluation), saves
+        it and returns with `interrupted` set; the caller must then stop. A signal during the last step, its
+        evaluation or its save also sets `interrupted`: that run is complete and saved. Without it, Ctrl-C raises
+        KeyboardInterrupt as usual."""
         tc = self.tc
         if resume:
             self.resume(None if resume is True else resume)
@@ -636,6 +638,10 @@ class Trainer:
                     result.val.append(v)
                     emit(v, on_eval)
             while self.step < tc.steps:
+                if interrupt.requested:  # the signal came before this step (during the first evaluation)
+                    result.interrupted = True
+                    log.info("interrupted before step %d", self.step + 1)
+                    break
                 elapsed = time.perf_counter() - start
                 if budget is not None and elapsed + last_dt + self.tail_seconds() > budget:
                     result.stopped_early = True
@@ -677,7 +683,7 @@ class Trainer:
                         emit(v, on_eval)
                 if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final):
                     saved_at = self.save()
-                if interrupt.requested and not final:  # a Ctrl-C during the last step: the run is complete
+                if interrupt.requested and not final:  # a signal during the last step: the run completes, below
                     result.interrupted = True
                     log.info("interrupted at step %d: saving a checkpoint of it", self.step)
                     break
@@ -689,6 +695,9 @@ class Trainer:
             saved_now = saved_at is not None and saved_at.name.endswith(f"_{self.step:06d}")
             if self.ckpt_dir is not None and result.losses and not saved_now:
                 saved_at = self.save()
+            # a signal during the last step, its evaluation or its save: the run is complete and saved, and the
+            # caller stops too (k3 demo skips its samples and plots)
+            result.interrupted = result.interrupted or interrupt.requested
         finally:
             interrupt.restore()
             if writer is not None:
