@@ -49,3 +49,18 @@ def _load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture
+def default_signals():
+    """SIGINT and SIGTERM at Python's defaults for the test: an earlier test may have left a handler, and a run
+    started in the background by a non-interactive shell (nohup, `&`) inherits SIGINT ignored, which the graceful
+    stop leaves alone as someone else's choice."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)

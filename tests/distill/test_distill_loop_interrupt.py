@@ -44,21 +44,6 @@ def test_ctrl_c_names_the_last_checkpoint_and_resume(tmp_path, monkeypatch, caps
     assert code == 130 and f"k3 params: interrupted: {msg}" in err, err
 
 
-@pytest.fixture
-def default_signals():
-    """SIGINT and SIGTERM at Python's defaults for the test: an earlier test may have left a handler, and a run
-    started in the background by a non-interactive shell (nohup, `&`) inherits SIGINT ignored, which the graceful
-    stop leaves alone as someone else's choice."""
-    import signal
-
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    yield
-    for sig, handler in before.items():
-        signal.signal(sig, handler)
-
-
 def _signalling_step(loop, x, at: dict):
     """A step that sends the signals listed for its 0-based index to this process while it runs."""
     import os

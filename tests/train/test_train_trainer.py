@@ -308,149 +308,89 @@ def test_eval_batch_count_is_what_eval_batches_yields(tiny_data_dir):
         assert eval_batch_count(val, bs, t, cap) == sum(1 for _ in eval_batches(val, bs, t, cap)), (bs, t, cap)
 
 
-def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeypatch):
+def _signal_in(monkeypatch, trainer, method: str, at_step: int, *signals, then: Exception | None = None):
+    """Make trainer.<method>, when called at trainer.step == at_step, send `signals` to this process (the graceful
+    handler records the first; a second stops at once) and then raise `then` if given, else run as usual."""
+    import os
+
+    real = getattr(trainer, method)
+
+    def wrapped(*args, **kwargs):
+        if trainer.step == at_step:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+            if then is not None:
+                raise then
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, method, wrapped)
+
+
+def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeypatch, default_signals):
     """A Ctrl-C also reaches helper processes (torch.compile's workers); a step that fails because they died
     ends the run as interrupted (KeyboardInterrupt, the CLI's exit 130), not with the step's error. Without a
     Ctrl-C the same error propagates as itself."""
     import signal
 
-    # Python's default, whatever an earlier test or a background start (SIGINT inherited as ignored) left
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _ctrl_c_case(tmp_path, fake_data, monkeypatch)
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
-def _ctrl_c_case(tmp_path, fake_data, monkeypatch):
-    import os
-    import signal
-
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
-    real = t.train_step
-
-    def step():
-        if t.step == 2:
-            os.kill(os.getpid(), signal.SIGINT)  # the graceful handler only records it
-            raise RuntimeError("a compile worker died")
-        return real()
-
-    monkeypatch.setattr(t, "train_step", step)
+    _signal_in(monkeypatch, t, "train_step", 2, signal.SIGINT, then=RuntimeError("a compile worker died"))
     with pytest.raises(KeyboardInterrupt, match="during step 3"):
         t.fit(graceful_interrupt=True)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000002"  # the last whole step stays
     t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=4)), data, None, tmp_path / "b")
-    monkeypatch.setattr(t2, "train_step", lambda: (_ for _ in ()).throw(RuntimeError("plain failure")))
+    _signal_in(monkeypatch, t2, "train_step", 0, then=RuntimeError("plain failure"))
     with pytest.raises(RuntimeError, match="plain failure"):
         t2.fit(graceful_interrupt=True)
     # after a Ctrl-C, an error outside the step (here the save of the finished step) is that error, not an
     # interruption: the user must not believe the step was saved
     t3 = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path / "c")
-    real3 = t3.train_step
-
-    def step3():
-        if t3.step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real3()
-
-    monkeypatch.setattr(t3, "train_step", step3)
-    real_save = t3.save
-    monkeypatch.setattr(t3, "save", lambda: real_save() if t3.step < 2 else (_ for _ in ()).throw(OSError(28, "disk full")))
+    _signal_in(monkeypatch, t3, "train_step", 1, signal.SIGINT)
+    _signal_in(monkeypatch, t3, "save", 2, then=OSError(28, "disk full"))
     with pytest.raises(OSError, match="disk full"):
         t3.fit(graceful_interrupt=True)
 
 
-def test_sigterm_saves_the_step_in_progress_like_ctrl_c(tmp_path, fake_data, monkeypatch):
+def test_sigterm_saves_the_step_in_progress_like_ctrl_c(tmp_path, fake_data, monkeypatch, default_signals):
     """`kill PID`, a supervisor's stop or a scheduler's preemption (SIGTERM) ends a graceful run after the step in
     progress and saves it, as Ctrl-C does; it killed the run before, losing every step since the last save. A
     second signal stops at once. The handlers are restored afterwards."""
     import signal
 
-    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an earlier test may have left a handler
-    try:
-        _sigterm_case(tmp_path, fake_data, monkeypatch)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def _sigterm_case(tmp_path, fake_data, monkeypatch):
-    import os
-    import signal
-
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=6, ckpt_every=0)), data, None, tmp_path)
-    real = t.train_step
-
-    def step():
-        if t.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # delivered while the step runs: the step still completes
-        return real()
-
-    monkeypatch.setattr(t, "train_step", step)
+    _signal_in(monkeypatch, t, "train_step", 2, signal.SIGTERM)  # delivered while the step runs: it completes
     result = t.fit(graceful_interrupt=True)
     assert result.interrupted and result.steps_done == 3 and len(result.losses) == 3
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000003"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
 
     t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=6, ckpt_every=0)), data, None, tmp_path / "b")
-    real2 = t2.train_step
-
-    def step2():
-        if t2.step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)  # the second one: at once, nothing saved
-        return real2()
-
-    monkeypatch.setattr(t2, "train_step", step2)
+    _signal_in(monkeypatch, t2, "train_step", 1, signal.SIGTERM, signal.SIGTERM)  # the second: at once, no save
     with pytest.raises(KeyboardInterrupt):
         t2.fit(graceful_interrupt=True)
     assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint") is None
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_a_signal_before_the_first_step_or_in_the_last_stops_the_caller(tmp_path, fake_data, monkeypatch):
+def test_a_signal_before_the_first_step_or_in_the_last_stops_the_caller(tmp_path, fake_data, monkeypatch,
+                                                                       default_signals):
     """A SIGTERM during the first evaluation stops before step 1 (a whole step was trained and saved first); one
     during the last step completes and saves the run and still reports it interrupted, so `k3 demo` skips its
     samples and plots instead of running on after the signal."""
     import signal
 
-    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        _first_and_last_case(tmp_path, fake_data, monkeypatch)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def _first_and_last_case(tmp_path, fake_data, monkeypatch):
-    import os
-    import signal
-
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, ckpt_every=0, eval_at_start=True)), data, data, tmp_path)
-    real_eval = t.run_eval
-
-    def run_eval():
-        if t.step == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_eval()
-
-    monkeypatch.setattr(t, "run_eval", run_eval)
+    _signal_in(monkeypatch, t, "run_eval", 0, signal.SIGTERM)
     result = t.fit(graceful_interrupt=True)
     assert result.interrupted and result.steps_done == 0 and not result.losses and result.checkpoint is None
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint") is None
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     t2 = Trainer(cfg, TrainConfig(**dict(TINY, steps=3, ckpt_every=0)), data, None, tmp_path / "b")
-    real = t2.train_step
-
-    def step():
-        if t2.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # during the last step
-        return real()
-
-    monkeypatch.setattr(t2, "train_step", step)
+    _signal_in(monkeypatch, t2, "train_step", 2, signal.SIGTERM)  # during the last step
     result = t2.fit(graceful_interrupt=True)
     assert result.interrupted and result.steps_done == 3
     assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint").name == "step_000003"
