@@ -178,6 +178,10 @@ def test_sampler_filters():
     top5 = logits.topk(5, dim=-1).indices
     draws = torch.cat([sample_next(logits, 2.0, generator=g, top_k=5) for _ in range(50)], dim=1)
     assert all(set(draws[i].tolist()) <= set(top5[i].tolist()) for i in range(4))
+    # a temperature below float32's smallest normal is greedy in effect (it became 0 in the division: 0 / 0 = NaN
+    # at the best logit, and a 500 from the server)
+    for t in (1e-30, 1e-46, 1e-50, 1e-320):
+        assert torch.equal(sample_next(logits, t, generator=g), greedy), t
     # the model's sample_next is this one
     from k3.model.transformer import sample_next as model_sample_next
 
@@ -378,6 +382,17 @@ def test_chat_output_parser_streams_like_the_whole_reply():
                 else:
                     got[kind] += v
         assert (got["content"], got["reasoning"], got["tool_call"]) == (content, reasoning, ["f"])
+
+
+def test_chat_markers_out_of_place_stay_in_the_text():
+    """A tool call written inside the reasoning, or an end marker without its start, keeps its markers where it
+    stands (they were dropped: the call's text lost its markup, no call reported)."""
+    call = '{"name": "f", "arguments": {}}'
+    assert parse_reply(f"<|think|>r<|tool_call|>{call}<|/tool_call|><|/think|>ok") == \
+        ("ok", f"r<|tool_call|>{call}<|/tool_call|>", [])
+    assert parse_reply("a<|/think|>b<|/tool_call|>c") == ("a<|/think|>b<|/tool_call|>c", "", [])
+    assert parse_reply('<|tool_call|>{"name": "f"<|think|>x<|/tool_call|>')[0] == \
+        '<|tool_call|>{"name": "f"<|think|>x<|/tool_call|>'
 
 
 def test_one_failing_request_ends_alone_and_extreme_params_sample(tiny_model, monkeypatch):

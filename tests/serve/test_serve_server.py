@@ -571,3 +571,22 @@ def test_chat_tool_call_without_text_has_null_content(tiny_model_factory, serve_
                                                 max_tokens=32, temperature=0)
     m = r.choices[0].message
     assert m.content is None and m.tool_calls[0].function.name == "f" and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_chat_reply_cut_by_max_tokens_is_length_even_after_a_tool_call(tiny_model_factory, serve_tokenizer):
+    """A reply whose second tool call max_tokens cut off finishes with "length", as OpenAI reports it, streamed or
+    not: it said "tool_calls", so a client could not tell the reply was truncated. Ended by itself: "tool_calls"."""
+    first = ["<|tool_call|>", '{"name": "f", "arguments": {}}', "<|/tool_call|>"]
+    parts = first + ["<|tool_call|>", '{"name": "g", "arguments": {}}', "<|/tool_call|>", "<|end|>"]
+    model, calls = _sequence_model(tiny_model_factory, serve_tokenizer, parts)
+    n_first = 2 + len(serve_tokenizer.encode(first[1], allow_special=False))
+    with serve(Engine(model, serve_tokenizer, max_batch=1, max_queue=4)) as url:
+        for max_tokens, want, n_calls in ((n_first + 3, "length", 1), (64, "tool_calls", 2)):
+            kw = dict(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=max_tokens, temperature=0)
+            calls[0] = 0
+            r = client(url).chat.completions.create(**kw)
+            assert (r.choices[0].finish_reason, len(r.choices[0].message.tool_calls)) == (want, n_calls)
+            calls[0] = 0
+            ends = [ch.choices[0].finish_reason for ch in client(url).chat.completions.create(**kw, stream=True)
+                    if ch.choices and ch.choices[0].finish_reason]
+            assert ends == [want]

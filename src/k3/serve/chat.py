@@ -217,7 +217,8 @@ class ChatOutputParser:
     tokens (the engine's `Request._markers`, which grows as the reply does); only those act as markers, so a reply
     that spells "<|end|>" or "<|think|>" in ordinary characters keeps them as text. Without it (text of unknown
     origin), every marker spelling counts, and one split across deltas is held back until it is whole.
-    Special tokens other than the think / tool-call markers carry no text and are dropped.
+    Special tokens other than the think / tool-call markers carry no text and are dropped; a think or tool-call
+    marker out of place (a call inside the reasoning, an end without its start) stays in the text where it stands.
     """
 
     def __init__(self, markers: list[tuple[int, int]] | None = None):
@@ -285,6 +286,8 @@ class ChatOutputParser:
             else:
                 self.tool_calls.append(call)
                 out.append(("tool_call", call))
+        elif marker in (THINK, END_THINK, TOOL_CALL, END_TOOL_CALL):  # out of place (a call inside the reasoning,
+            self._text(marker, out)  # a stray end): kept as text where it stands, not dropped
 
 
 def _parse_call(text: str) -> ToolCall | None:

@@ -119,7 +119,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # a temperature under float32's smallest normal would become 0 in the division (0 / 0 = NaN at the best
+    # logit); at that size any temperature is greedy in effect
+    probs = torch.softmax(logits / max(temperature, torch.finfo(torch.float32).tiny), dim=-1)
     if top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # the nucleus: mass before a token is still short of top_p

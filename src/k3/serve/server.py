@@ -477,7 +477,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
                         else:
                             yield chunk(index, {"content" if kind == "content" else "reasoning_content": value})
                     if ev.finish_reason is not None:
-                        yield chunk(index, {}, "tool_calls" if p.tool_calls else ev.finish_reason)
+                        yield chunk(index, {}, _finish_reason(ev.finish_reason, p.tool_calls))
                 if include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
                                 "choices": [], "usage": usage()})
@@ -498,7 +498,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
             if calls:
                 msg["tool_calls"] = [c.to_openai() for c in calls]
             choices.append({"index": i, "message": msg, "logprobs": None,
-                            "finish_reason": "tool_calls" if calls else r.finish_reason})
+                            "finish_reason": _finish_reason(r.finish_reason, calls)})
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "choices": choices,
                 "usage": usage()}
 
@@ -559,6 +559,12 @@ def _raise_failed(reqs) -> None:
     for r in reqs:
         if r.finish_reason == "error":
             raise APIError(500, r.error or "generation failed", "server_error")
+
+
+def _finish_reason(reason: str, calls) -> str:
+    """As OpenAI: "tool_calls" for a reply that called tools and ended by itself; a reply cut at max_tokens stays
+    "length" with or without calls (its last call may be the one cut off)."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _sse(obj: dict) -> str:
