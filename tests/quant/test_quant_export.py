@@ -177,6 +177,8 @@ def test_export_refuses_bad_requests(tmp_path):
     before = sorted(p.name for p in src.iterdir())
     with pytest.raises(ValueError, match="training checkpoint.*does not replace"):
         export_mx(src, src, overwrite=True)
+    with pytest.raises(ValueError, match="training checkpoint.*does not replace"):  # it said "pass --overwrite"
+        export_mx(src, src)
     assert sorted(p.name for p in src.iterdir()) == before
     # a training run's folder (checkpoint/, metrics, plots): the export beside them would be what `--ckpt RUN` reads
     run = tmp_path / "run"
@@ -213,7 +215,35 @@ def test_export_refuses_bad_requests(tmp_path):
     ckpt.save_checkpoint(tmp_path / "odd", 1, K3Model(odd), None, odd)
     with pytest.raises(ValueError, match="multiple of 32"):
         export_mx(tmp_path / "odd", tmp_path / "ex3")
+    # no routed experts at all: refused before anything is written (it wrote the export, then the CLI crashed)
+    dense = get_config("tiny", n_dense_layers=get_config("tiny").n_layers)
+    ckpt.save_checkpoint(tmp_path / "dense", 1, K3Model(dense), None, dense)
+    with pytest.raises(ValueError, match="no routed experts to pack"):
+        export_mx(tmp_path / "dense", tmp_path / "ex4")
+    assert not (tmp_path / "ex4").exists()
 
+
+def test_export_keeps_the_tokenizer_fingerprint_of_rl_and_distill_checkpoints(tmp_path):
+    """`k3 rl` / `k3 distill` checkpoints name their tokenizer by fingerprint only (extra.tokenizer_sha256, the
+    tokenizer.json in the experiment's root); the export dropped it, so `k3 sample` on the export did not find the
+    tokenizer, and took another one of the same size without a word."""
+    from k3.data.corpus import open_corpus
+    from k3.data.tokenizer import train_tokenizer
+    from k3.train.trainer import checkpoint_tokenizer
+
+    texts = [t for _, t in open_corpus().documents("train", max_bytes=150_000)]
+    tok = train_tokenizer(texts, 512, path=tmp_path / "root")
+    other = train_tokenizer(texts[1:], 512, path=tmp_path / "other")
+    m = K3Model(get_config("tiny", qat=K3_QAT))
+    ckpt.save_checkpoint(tmp_path / "root" / "run" / "checkpoint", 7, m, None, m.config, data_state={"next_step": 7},
+                         extra={"tokens": 10, "tokenizer_sha256": tok.fingerprint})
+    out = export_mx(tmp_path / "root" / "run" / "checkpoint", tmp_path / "root" / "export")
+    _, manifest = load_trained_model(out)  # as `k3 sample` / `k3 eval` read it
+    assert manifest["extra"]["tokenizer_sha256"] == tok.fingerprint and manifest["extra"]["tokens"] == 10
+    assert checkpoint_tokenizer(manifest, 512).fingerprint == tok.fingerprint  # found beside the experiment
+    assert other.fingerprint != tok.fingerprint
+    with pytest.raises(ValueError, match="is not the one the model's training data was tokenized with"):
+        checkpoint_tokenizer(manifest, 512, other.path)
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_export_refuses_non_finite_expert_weights(tmp_path, bad):

@@ -176,12 +176,12 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     if other:  # e.g. a training run's folder: its checkpoint/ beside a step_* export would confuse `--ckpt OUT`
         raise ValueError(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which an "
                          "MX export does not write; give the export an --out of its own (a new or empty directory)")
-    if held and not overwrite:
-        raise ValueError(f"{out} already holds a checkpoint or export; pass --overwrite or another --out")
     trained = [p for p in held if not _is_export(p)]
     if trained:  # --overwrite replaces earlier exports only, never training state (nor the checkpoint read here)
         raise ValueError(f"{out} holds training checkpoint(s) {[p.name for p in trained][:3]}, which --overwrite "
                          "does not replace; give an --out of its own for the export")
+    if held and not overwrite:
+        raise ValueError(f"{out} already holds an export; pass --overwrite or another --out")
     src, manifest = load_trained_model(ckpt_path)
     if EXPORT_KEY in manifest.get("extra", {}):
         raise ValueError(f"{manifest['path']} is already a packed MX export")
@@ -191,6 +191,9 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     if activations != "keep":
         qat["activations"] = activations
     config = src.config.replace(qat=qat)
+    if not any(config.is_moe_layer(i) for i in range(config.n_layers)):
+        raise ValueError(f"{manifest['path']} has no routed experts to pack (every layer's FFN is dense): an MX "
+                         "export holds packed routed experts; use the checkpoint as it is, or --format hf")
     model = K3Model(config)
     model.load_state_dict(src.state_dict())
     del src
@@ -210,7 +213,7 @@ def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations:
     }
     path = ckpt.save_checkpoint(out, int(manifest["step"]), model, None, config, data_state=manifest.get("data"),
                                 extra={EXPORT_KEY: info, **{k: v for k, v in manifest.get("extra", {}).items()
-                                                            if k == "tokens"}},
+                                                            if k in ("tokens", "tokenizer_sha256")}},
                                 keep_last=1)
     for old in held:  # all earlier exports (checked above); pruning keeps a higher step than the new one
         if old != path:
