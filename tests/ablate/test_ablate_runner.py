@@ -132,6 +132,8 @@ def test_an_interrupted_run_resumes_to_the_same_result(data, tmp_path, monkeypat
     (["--suite", "huge"], ["valid suites: core"]),
     (["--only", "depth", "--set", "attnres=full"], ["incompatible combination", "attnres"]),
     (["--only", "moe", "--set", "n_experts=9"], ["incompatible combination"]),
+    # every run failed inside, after the data step, and the report said a rerun would retry them
+    (["--only", "depth", "--set", "max_context=32"], ["sequences of 64 tokens, more than max_context = 32"]),
     (["--set", "colour=blue"], ["FIELD one of"]),
     (["--seeds", "0"], ["--seeds 0"]),
 ])

@@ -339,6 +339,15 @@ def test_corpus_fingerprint_follows_content_not_mtime(text_dir):
     assert open_corpus(str(text_dir)).fingerprint() == edited
 
 
+def test_corpus_fingerprint_does_not_depend_on_how_the_folder_is_spelled(text_dir, monkeypatch):
+    """`--data corpus`, `--data ./corpus/` and the full path are one corpus: a relative spelling changed the
+    fingerprint, and `k3 tokenize` rebuilt data it should have reused."""
+    full = open_corpus(str(text_dir)).fingerprint()
+    monkeypatch.chdir(text_dir.parent)
+    for spelled in (text_dir.name, f"./{text_dir.name}/", f"{text_dir.name}/../{text_dir.name}"):
+        assert open_corpus(spelled).fingerprint() == full, spelled
+
+
 def test_files_of_the_same_names_that_k3_did_not_write_are_not_replaced(text_dir, tmp_path):
     """A directory holding a train.json (or tokenizer.json, ...) of the user's own is refused unless forced; a
     build of k3's own that failed part way is rebuilt without --force."""

@@ -58,7 +58,7 @@ def test_plot_is_for_serving(capsys, tmp_path):
 
 def test_min_gpus_names_a_context_past_max_context(capsys):
     from k3.cli import main
-    assert main(["plan", "--preset", "mini", "--min-gpus"]) == 2  # the default context is 1M; mini's is 4096
+    assert main(["plan", "--preset", "mini", "--min-gpus", "--context", "1048576"]) == 2  # mini's is 4096
     err = capsys.readouterr().err
     assert "exceeds mini's max_context = 4096" in err and "bigger GPUs" not in err
 
@@ -129,3 +129,16 @@ def test_plot_path_checked_before_planning(tmp_path, capsys, monkeypatch):
     assert code == 2 and "is a file, not a directory" in err
     code, _, err = _run(capsys, "--plot", str(tmp_path / "walls.txt"))  # a PNG under another name
     assert code == 2 and "ending in .png" in err and not (tmp_path / "walls.txt").exists()
+
+
+def test_default_context_fits_the_preset(capsys):
+    """Without --context a preset shorter than K3's 1M-token context plans its own max_context (tiny and mini
+    failed every run until --context was given); K3 itself keeps 1,048,576. An explicit one past it is refused."""
+    from k3.config import get_config
+
+    assert main(["plan", "--preset", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["options"]["context"] == get_config("tiny").max_context
+    assert main(["plan", "--preset", "k3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["options"]["context"] == 1_048_576
+    assert main(["plan", "--preset", "tiny", "--context", "1048576"]) == 2
+    assert "exceeds tiny's max_context" in capsys.readouterr().err

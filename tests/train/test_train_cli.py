@@ -239,3 +239,25 @@ def test_sample_leaves_special_tokens_out_unless_asked(tiny_data_dir):
 
     assert generate_text(Fixed(), tok, "a", 3, 0.8, 0.95, 0) == "axx"
     assert generate_text(Fixed(), tok, "a", 3, 0.8, 0.95, 0, skip_special=False) == "ax<|tool_call|>x"
+
+
+def test_train_stopped_by_a_signal_labels_an_earlier_validation(tiny_data_dir, tmp_path, capsys, monkeypatch,
+                                                                 default_signals):
+    """Stopped after step 3 with evaluations every 2 steps, the summary's validation loss is step 2's and says so
+    (it read as the loss of the saved step 3)."""
+    import os
+    import signal
+
+    from k3.train.trainer import Trainer
+    real = Trainer.train_step
+
+    def train_step(self):
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # during step 3
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    assert main(["train", *SMALL, "--data", str(tiny_data_dir), "--out", str(tmp_path / "run"), "--steps", "10",
+                 "--eval-every", "2"]) == 130
+    out = capsys.readouterr().out
+    assert "trained to step 3" in out and "(at step 2)" in out.split("validation loss")[1].splitlines()[0], out

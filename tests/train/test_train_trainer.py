@@ -168,6 +168,11 @@ def test_time_budget_stops_and_saves(tmp_path, fake_data):
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == f"step_{res.steps_done:06d}"
     assert res.val  # evaluated before stopping
     assert len({v["step"] for v in res.val}) == len(res.val)  # once per step, even right after a periodic eval
+    # a resume whose budget is spent before its first step: no evaluation past the budget (it evaluated the step it
+    # resumed, again, and wrote that record a second time)
+    again = Trainer(cfg, TrainConfig(**dict(TINY, steps=10_000, max_minutes=1e-9, eval_every=1)), data, data, tmp_path)
+    res2 = again.fit(resume=True)
+    assert res2.stopped_early and not res2.losses and not res2.val and res2.steps_done == res.steps_done
 
 
 def test_time_budget_counts_a_final_eval_that_has_not_run_yet(fake_data):

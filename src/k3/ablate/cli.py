@@ -107,7 +107,11 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     scale = _scale(args)
     if args.list:
         return cmd_list(scale, names, user_set)
-    build_groups(scale.base_config(user_set), names, user_set)  # bad combinations fail before any data work
+    base = scale.base_config(user_set)
+    build_groups(base, names, user_set)  # bad combinations fail before any data work
+    if any(n != PROBE for n in names) and scale.seq_len > base.max_context:
+        raise ValueError(f"the {scale.name} suite trains on sequences of {scale.seq_len} tokens, more than max_context "
+                         f"= {base.max_context}; raise max_context in --set to at least {scale.seq_len} or drop it")
     _check_out(Path(args.out or ("runs/ablate-quick" if args.quick else "runs/ablate")))
     if args.jobs is not None and args.jobs < 0:
         raise ValueError(f"--jobs {args.jobs} must be >= 0 (0 = the cores the load average leaves free)")

@@ -114,8 +114,9 @@ class Corpus:
         reader skips, counts by its size and mtime."""
         if self._fingerprint is None:
             h = hashlib.sha256(f"{self.description}|{self.val_fraction}".encode())
+            # absolute paths: the same folder given as `corpus`, `./corpus` or its full path is the same corpus
             for path in sorted({e.path for e in self.entries}):
-                h.update(f"|{path}|".encode() + _content_digest(path))
+                h.update(f"|{os.path.abspath(path)}|".encode() + _content_digest(path))
             h.update(f"|{len(self.entries)}".encode())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint

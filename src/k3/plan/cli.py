@@ -9,6 +9,9 @@ from k3.cli_checks import output_png
 from k3.model.cli import add_config_args, config_from_args
 
 
+DEFAULT_CONTEXT = 1_048_576  # K3's native context
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f} GB"
 
@@ -139,7 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from k3.plan.whatif import parse_what_ifs, what_ifs
 
     config = config_from_args(args)
-    options = Options(mode="train" if args.train else "serve", context=args.context, batch=args.batch,
+    context = args.context if args.context is not None else min(DEFAULT_CONTEXT, config.max_context)
+    options = Options(mode="train" if args.train else "serve", context=context, batch=args.batch,
                       micro_batches=args.micro_batches, expert_precision=args.expert_precision,
                       dense_precision=args.dense_precision, cache_dtype=args.cache_dtype, act_dtype=args.act_dtype,
                       a2a_dtype=args.a2a_dtype, optimizer=args.optimizer, zero=args.zero,
@@ -195,7 +199,8 @@ def register(sub) -> None:
     for k, h in (("tp", "tensor parallel"), ("ep", "expert parallel (divides tp x dp)"), ("pp", "pipeline stages"),
                  ("dp", "data-parallel replicas")):
         p.add_argument(f"--{k}", type=int, default=None, help=f"{h} size (default 1)")
-    p.add_argument("--context", type=int, default=1048576, help="tokens per sequence (default 1048576)")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_CONTEXT}, or the preset's max_context when smaller)")
     p.add_argument("--batch", type=int, default=1, help="sequences per replica (training: per micro-batch)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--serve", action="store_true", help="plan serving (the default)")

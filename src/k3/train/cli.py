@@ -169,7 +169,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{result.elapsed_s / 60:.1f} min{why}; last train loss {result.losses[-1]:.4f}")
     if result.val:
         v = result.val[-1]
-        print(f"validation loss {v['val_loss']:.4f}" + (f", {v['val_bpb']:.4f} bits/byte" if "val_bpb" in v else ""))
+        at = f" (at step {v['step']})" if v.get("step") != result.steps_done else ""  # e.g. after a stop signal
+        print(f"validation loss {v['val_loss']:.4f}" + (f", {v['val_bpb']:.4f} bits/byte" if "val_bpb" in v else "")
+              + at)
     print(f"metrics    {Path(args.out) / 'metrics.jsonl'}")
     print(f"plots      {', '.join(str(p) for p in plots.values())}")
     print(f"checkpoint {result.checkpoint or 'none written'}")

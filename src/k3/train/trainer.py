@@ -645,7 +645,7 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 if budget is not None and elapsed + last_dt + self.tail_seconds() > budget:
                     result.stopped_early = True
-                    log.info("time budget of %.1f min reached at step %d", tc.max_minutes, self.step)
+                    log.info("time budget of %g min reached at step %d", tc.max_minutes, self.step)
                     break
                 t_step = time.perf_counter()
                 try:
@@ -687,7 +687,8 @@ class Trainer:
                     result.interrupted = True
                     log.info("interrupted at step %d: saving a checkpoint of it", self.step)
                     break
-            if result.stopped_early and not (result.val and result.val[-1].get("step") == self.step):
+            if result.stopped_early and result.losses and not (result.val and result.val[-1].get("step") == self.step):
+                # (nothing trained in this call, the budget spent before its first step: nothing new to evaluate)
                 v = self.run_eval()
                 if v is not None:
                     result.val.append(v)
