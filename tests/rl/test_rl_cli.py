@@ -285,3 +285,25 @@ def test_ctrl_c_in_the_demo_does_not_advise_a_flag_it_lacks(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "stopped in step 3" in err and "`k3 rl --demo` starts over when run again" in err
     assert "--resume" not in err  # the demo does not take it
+
+
+def test_the_demo_does_not_start_over_an_experiment_it_did_not_make(tmp_path, monkeypatch, capsys):
+    """`k3 rl --demo --root DIR` starts over, deleting DIR's checkpoints: DIR must be new, empty or an earlier demo's
+    (it wiped a warm start and the GRPO runs of an experiment given there)."""
+    import k3.rl.cli as rl_cli
+
+    exp = tmp_path / "exp"
+    (exp / "warmstart" / "checkpoint").mkdir(parents=True)
+    (exp / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr(rl_cli, "cmd_warmstart", lambda args: pytest.fail("started the demo"))
+    assert main(["rl", "--demo", "--root", str(exp)]) == 2
+    assert "did not make" in capsys.readouterr().err
+    assert sorted(p.name for p in exp.iterdir()) == ["tokenizer.json", "warmstart"]
+
+    def stop(args):
+        raise KeyboardInterrupt("stopped")
+
+    monkeypatch.setattr(rl_cli, "cmd_warmstart", stop)
+    for root in (tmp_path / "new", tmp_path / "new"):  # a new root, then the demo's own again
+        assert main(["rl", "--demo", "--root", str(root)]) == 130
+        assert (root / rl_cli.DEMO_MARK).is_file()

@@ -415,10 +415,27 @@ DEMO = {  # bounded so the whole pipeline runs in well under 15 minutes on 2 CPU
 }
 
 
+DEMO_MARK = "demo.json"  # written into a --demo root: the next demo may start it over
+
+
+def _check_demo_root(root: Path, explicit: bool) -> None:
+    """The demo starts over, deleting what its root holds: a --root given by hand must be new, empty or an earlier
+    demo's (it wiped an experiment of `k3 rl warmstart` / `train` given there); the default root is the demo's own."""
+    from k3.fileio import atomic_write_json
+
+    _check_root(root)
+    if explicit and root.is_dir() and any(root.iterdir()) and not (root / DEMO_MARK).is_file():
+        raise ValueError(f"--root {root} holds an experiment that `k3 rl --demo` did not make, and the demo starts "
+                         "over, deleting its checkpoints: give the demo a new or empty --root")
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(root / DEMO_MARK, {"made_by": "k3 rl --demo"})
+
+
 def cmd_demo(args) -> dict:
     """Warm start, GRPO with dialects swapped per episode, held-out evaluation (training and unseen harness), plot."""
     import argparse
     root = Path(args.root or "runs/rl/demo")
+    _check_demo_root(root, explicit=args.root is not None)
     t0 = time.perf_counter()
     common = dict(root=str(root), threads=args.threads, seed=args.seed, quiet=args.quiet, workers=2,
                   resume=False, overwrite=True, keep_last=2, grad_clip=1.0, max_context=4096,
