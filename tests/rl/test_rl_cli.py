@@ -45,6 +45,19 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok, monkeypatch):
     assert main(["rl", "plot", "--root", root, "--runs", "nosuch"]) == 2  # not an empty plot over the real one
     assert "no training metrics for run(s) nosuch" in capsys.readouterr().err
     assert (tmp_path / "exp/reward.png").read_bytes() == before
+    # a --max-tokens no prompt fits beside, or a model folder a killed first save left without a checkpoint:
+    # refused before any episode (every episode was excluded, the figures null or NaN; warmstart was evaluated,
+    # then the empty folder failed naming `k3 train`)
+    (tmp_path / "exp/empty/checkpoint").mkdir(parents=True)
+    for argv, says in (
+            (["rl", "eval", "--root", root, "--models", "warmstart", "--max-tokens", "5000"],
+             "--max-tokens 5000 does not fit warmstart's context"),
+            (["rl", "train", *common, "--name", "long", "--max-tokens", "5000"],
+             "--max-tokens 5000 does not fit warmstart's context"),
+            (["rl", "eval", "--root", root, "--models", "warmstart,empty"], "no checkpoint for empty under")):
+        assert main(argv) == 2, argv
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "exp/long").exists()
     # resuming a finished run is allowed; starting over on top of it needs --overwrite
     assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "2", "--groups", "1",
                  "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed"]) == 2

@@ -113,5 +113,6 @@ def test_wilson_interval_contains_the_rate():
         for k in range(n + 1):
             lo, hi = wilson(k, n)
             assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n, lo, hi)
+    assert wilson(0, 0) is None  # no usable episode: no interval (it was NaN, which strict JSON refuses)
     lo, hi = wilson(0, 48)
     assert lo == 0.0 and hi == pytest.approx(0.0741, abs=1e-4)

@@ -130,21 +130,30 @@ def _tokenizer(root: Path):
 def _load(root: Path, name: str, tokenizer):
     """The latest checkpoint of ROOT/<name> (a stage or a run), checked against the experiment's tokenizer."""
     from k3.train.trainer import load_trained_model
-    ckpt = root / name / "checkpoint"
-    if not ckpt.is_dir():
-        raise ValueError(f"{ckpt} does not exist; train {name!r} first (k3 rl warmstart / k3 rl train --name {name})")
-    model, manifest = load_trained_model(ckpt)
+    _check_models(root, [name], other="--init")
+    model, manifest = load_trained_model(root / name / "checkpoint")
     if manifest.get("extra", {}).get("tokenizer_sha256") not in (None, tokenizer.fingerprint):
-        raise ValueError(f"{ckpt} was trained with another tokenizer than {root / 'tokenizer.json'}")
+        raise ValueError(f"{root / name / 'checkpoint'} was trained with another tokenizer than "
+                         f"{root / 'tokenizer.json'}")
     return model, manifest
 
 
-def _check_models(root: Path, names: list[str]) -> None:
-    """Every model named exists before the first is evaluated (a typo is not found after minutes of work)."""
-    missing = [n for n in names if not (root / n / "checkpoint").is_dir()]
+def _check_models(root: Path, names: list[str], max_tokens: int | None = None, other: str = "--models") -> None:
+    """Every model named holds a checkpoint, and `max_tokens` leaves room for a prompt in its context, before the
+    first is evaluated (a typo, or a run killed in its first save, is not found after minutes of work)."""
+    from k3.train.checkpoint import latest_checkpoint, read_manifest
+
+    found = {n: latest_checkpoint(root / n / "checkpoint") if (root / n / "checkpoint").is_dir() else None
+             for n in names}
+    missing = [n for n, step in found.items() if step is None]
     if missing:
-        raise ValueError(f"no checkpoint for {', '.join(missing)} under {root}; train them first (k3 rl warmstart / "
-                         f"k3 rl train --name NAME), or name other --models")
+        raise ValueError(f"no checkpoint for {', '.join(missing)} under {root}; train {', '.join(map(repr, missing))} "
+                         f"first (k3 rl warmstart / k3 rl train --name NAME), or name another {other}")
+    for name, step in found.items():
+        ctx = int(read_manifest(step, verify=False)["config"]["max_context"])
+        if max_tokens is not None and max_tokens >= ctx:  # every episode would be excluded, measuring nothing
+            raise ValueError(f"--max-tokens {max_tokens} does not fit {name}'s context of {ctx} tokens with any "
+                             f"prompt; give a value well below {ctx}")
 
 
 def _tokenizer_settings(args) -> dict:
@@ -293,6 +302,7 @@ def cmd_train(args) -> dict:
     lcfg = _loop_config(args)
     _check_fresh(root / args.name, args, "another --name")
     tok = _tokenizer(root)
+    _check_models(root, [args.init], gcfg.max_tokens, other="--init")  # every episode excluded: steps that train nothing
     model, manifest = _load(root, args.init, tok)
     ref = None
     if gcfg.beta > 0:
@@ -334,7 +344,7 @@ def cmd_eval(args) -> dict:
     _check_report_out(root, out, "eval")
     set_threads(args.threads)
     tok = _tokenizer(root)
-    _check_models(root, names)
+    _check_models(root, names, args.max_tokens)
     held = build_tasks(root / "tasks", "heldout", args.n_per_kind)
     report = {"tasks": len(held), "variants": args.variants, "harnesses": harnesses, "models": {}}
     for name in names:
@@ -350,8 +360,10 @@ def cmd_eval(args) -> dict:
                         "ci95": wilson(k, a["usable"]), "excluded": a["excluded"],
                         "by": {key: v["success"] for key, v in table.items() if key != "all"},
                         "seconds": round(time.perf_counter() - t0, 1)}
-            print(f"{name:12s} {h:7s} success {a['success'] if a['success'] is not None else float('nan'):.3f} "
-                  f"({k}/{a['usable']}, 95% CI {entry[h]['ci95'][0]:.2f}-{entry[h]['ci95'][1]:.2f})", file=sys.stderr)
+            ci = entry[h]["ci95"]
+            print(f"{name:12s} {h:7s} " + (f"success {a['success']:.3f} ({k}/{a['usable']}, 95% CI {ci[0]:.2f}-"
+                                             f"{ci[1]:.2f})" if ci else "no usable episode (success not measured)"),
+                  file=sys.stderr)
         report["models"][name] = entry
     write_json(out, report)
     return report

@@ -396,10 +396,10 @@ def evaluate(model, tokenizer, tasks: Sequence, harness: str, n_variants: int = 
     return success_table(trajs), trajs
 
 
-def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate k/n."""
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """95% Wilson score interval of a success rate k/n; None without episodes (JSON has no NaN)."""
     if n == 0:
-        return (float("nan"), float("nan"))
+        return None
     p = k / n
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
