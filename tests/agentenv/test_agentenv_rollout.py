@@ -117,3 +117,41 @@ def test_a_killed_run_takes_its_pool_workers_with_it(sandbox, tmp_path):
         for k in kids:
             if alive(k):
                 os.kill(k, signal.SIGKILL)
+
+
+def _kill_a_worker_while(run):
+    """Run `run()` in a thread and SIGKILL one of its pool's worker processes once they are up."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import threading
+    import time
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("records", run()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(mp.active_children()) < 2:
+        time.sleep(0.05)
+    os.kill(mp.active_children()[0].pid, signal.SIGKILL)
+    t.join(300)
+    return box["records"]
+
+
+def test_a_killed_worker_reruns_the_unfinished_episodes(sandbox, tmp_path, caplog, monkeypatch):
+    """A worker killed mid-run (OOM killer, kill -9) broke the pool and every unfinished episode became worker_error;
+    they run again on a fresh pool, none recorded twice. Past MAX_POOL_RESTARTS they are worker_error records, and
+    a run of nothing else exits 1 naming them."""
+    import k3.agentenv.rollout as rollout
+
+    tasks = load_tasks("pyfix-median,files-organize")
+    cfg = EpisodeConfig(sandbox=sandbox)
+    recs = _kill_a_worker_while(lambda: run_rollouts(tasks, {"kind": "reference"}, 6, workers=2, seed=0, config=cfg))
+    assert sorted(r["seed"] for r in recs) == list(range(6))
+    assert all(r["status"] == "finished" and r["reward"] == 1.0 for r in recs), [r["status"] for r in recs]
+    assert "a rollout worker died" in caplog.text
+    monkeypatch.setattr(rollout, "MAX_POOL_RESTARTS", 0)
+    recs = _kill_a_worker_while(lambda: run_rollouts(tasks, {"kind": "reference"}, 6, workers=2, seed=0, config=cfg))
+    assert len(recs) == 6 and any(r["status"] == "worker_error" for r in recs)
+    from k3.agentenv.cli import error_report
+    assert any(line.startswith("worker_error in") for line in error_report(recs))

@@ -176,20 +176,23 @@ def _run(args) -> int:
         print(f"trajectories: {args.out}")
     for line in error_report(records):
         print(line, file=sys.stderr)
-    if records and all(r.get("status") in ("policy_error", "sandbox_error") for r in records):
-        print("every episode ended in a policy or sandbox error: nothing was measured", file=sys.stderr)
+    if records and all(r.get("status") in ERROR_STATUSES for r in records):
+        print("every episode ended in a policy, sandbox or worker error: nothing was measured", file=sys.stderr)
         return 1
     return 0
 
 
+ERROR_STATUSES = ("policy_error", "sandbox_error", "worker_error")  # episodes that measured nothing
+
+
 def error_report(records: list[dict], limit: int = 3) -> list[str]:
-    """Why episodes ended in policy_error / sandbox_error: each distinct message once, with its count.
+    """Why episodes ended in policy_error / sandbox_error / worker_error: each distinct message once, with its count.
 
     The summary table counts them; without this the reason is only in the trajectories file.
     """
     counts: dict[tuple[str, str], int] = {}
     for r in records:
-        if r.get("status") in ("policy_error", "sandbox_error"):
+        if r.get("status") in ERROR_STATUSES:
             key = (r["status"], str(r.get("error") or "no message recorded")[:400])
             counts[key] = counts.get(key, 0) + 1
     lines = [f"{status} in {n} episode{'s' if n > 1 else ''}: {msg}"

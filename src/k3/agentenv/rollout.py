@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 from collections import defaultdict
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -208,6 +209,9 @@ def _check_ray_address(address: str) -> None:
                          "Ray instance") from None
 
 
+MAX_POOL_RESTARTS = 2  # fresh process pools after workers died, per run
+
+
 def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers: int = 2,
                  seed: int = 0, out: str | os.PathLike | None = None,
                  config: EpisodeConfig | None = None, progress: bool = False,
@@ -251,15 +255,30 @@ def run_rollouts(tasks: list[Task], policy_spec: dict, episodes: int, *, workers
         else:
             ctx = mp.get_context("spawn")  # no fork of a process that holds threads and pipes
             threads = max(1, (os.cpu_count() or 1) // workers)
-            with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_pool_worker_init,
-                                        initargs=(threads, os.getpid())) as pool:
-                futs = {pool.submit(_worker, job): i for i, job in enumerate(jobs)}
-                for fut in cf.as_completed(futs):
-                    try:
-                        result = fut.result()
-                    except Exception as e:
-                        result = e
-                    done(futs[fut], result)
+            todo, restarts = list(range(len(jobs))), 0
+            while todo:
+                # a worker that dies (killed, out of memory) breaks the whole pool and fails every episode not yet
+                # finished: those run again on a fresh pool (none was recorded, so none is sampled twice), up to
+                # MAX_POOL_RESTARTS times; after that they are worker_error records
+                with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_pool_worker_init,
+                                            initargs=(threads, os.getpid())) as pool:
+                    futs = {pool.submit(_worker, jobs[i]): i for i in todo}
+                    todo = []
+                    for fut in cf.as_completed(futs):
+                        try:
+                            result = fut.result()
+                        except BrokenProcessPool as e:
+                            if restarts < MAX_POOL_RESTARTS:
+                                todo.append(futs[fut])
+                                continue
+                            result = e
+                        except Exception as e:
+                            result = e
+                        done(futs[fut], result)
+                if todo:
+                    restarts += 1
+                    log.warning("a rollout worker died; running the %d unfinished episode(s) on a new pool (%d/%d)",
+                                len(todo), restarts, MAX_POOL_RESTARTS)
         if writer:
             writer.commit()
     finally:
