@@ -44,6 +44,8 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok, monkeypatch):
     before = (tmp_path / "exp/reward.png").read_bytes()
     assert main(["rl", "plot", "--root", root, "--runs", "nosuch"]) == 2  # not an empty plot over the real one
     assert "no training metrics for run(s) nosuch" in capsys.readouterr().err
+    assert main(["rl", "plot", "--root", root, "--runs", "warmstart"]) == 2  # SFT records only: no curve to draw
+    assert "run(s) warmstart under" in capsys.readouterr().err
     assert (tmp_path / "exp/reward.png").read_bytes() == before
     # a --max-tokens no prompt fits beside, or a model folder a killed first save left without a checkpoint:
     # refused before any episode (every episode was excluded, the figures null or NaN; warmstart was evaluated,

@@ -404,13 +404,18 @@ def cmd_intent(args) -> dict:
 
 
 def cmd_plot(args) -> dict:
-    from k3.rl.plots import plot_rewards, read_eval_report
+    from k3.rl.plots import plot_rewards, read_eval_report, reward_curve
     root = Path(args.root)
     runs = {n.strip(): root / n.strip() / "metrics.jsonl" for n in args.runs.split(",") if n.strip()}
     missing = [name for name, path in runs.items() if not path.is_file()]
     if missing or not runs:
         raise ValueError(f"no training metrics for run(s) {', '.join(missing) or '(none given)'} under {root}; "
                          "name runs trained with `k3 rl train --name NAME` (--runs NAME,...)")
+    empty = [name for name, path in runs.items() if not reward_curve(path)[0]]
+    if empty:  # the plot had axes and a legend and no curve
+        raise ValueError(f"run(s) {', '.join(empty)} under {root} hold no reward records (an SFT stage such as "
+                         "warmstart has none, nor a GRPO run none of whose episodes was usable); name GRPO runs that "
+                         "trained (--runs NAME,...)")
     eval_path = Path(args.eval) if getattr(args, "eval", None) else root / "eval.json"
     if getattr(args, "eval", None) and not eval_path.is_file():
         raise ValueError(f"{eval_path} does not exist; write it with `k3 rl eval --out {eval_path}`")
