@@ -161,6 +161,10 @@ def test_redteam_list_honours_json_quick_and_only(capsys):
     assert code == 2 and "names no attack" in err
     code, err = _err(capsys, "redteam", "--list", "--only", "nope")
     assert code == 2 and "unknown attack(s) ['nope']" in err
+    # an attack outside the quick set with --quick: nothing to run, refused (a report of 0 attempts read "ok")
+    slow = next(a.name for a in ATTACKS if not a.quick)
+    code, err = _err(capsys, "redteam", "--quick", "--only", slow)
+    assert code == 2 and f"no attack to run: {slow} is not in the quick set" in err
 
 
 def test_run_says_why_episodes_failed(tmp_path, capsys, monkeypatch):

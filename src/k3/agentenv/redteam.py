@@ -502,12 +502,15 @@ def run_redteam(names: list[str] | None = None, quick: bool = False, isolation: 
     if isolation != "bwrap":
         raise ValueError("the red team runs against the bwrap sandbox only; the 'none' isolation is "
                          "an insecure benchmark baseline that would let attacks touch this host")
-    check_sandbox(cfg)
     attacks = [a for a in ATTACKS if (not names or a.name in names) and (not quick or a.quick)]
     if names:
         unknown = set(names) - {a.name for a in ATTACKS}
         if unknown:
             raise ValueError(f"unknown attack(s) {sorted(unknown)}; see `k3 agentenv redteam --list`")
+    if not attacks:  # a report of 0 attempts read "ok": nothing had been tried
+        raise ValueError(f"no attack to run: {', '.join(names or [])} {'is' if len(names or []) == 1 else 'are'} not "
+                         "in the quick set; drop --quick, or see `k3 agentenv redteam --list --quick`")
+    check_sandbox(cfg)
     ecfg = EpisodeConfig(sandbox=cfg)
     host = Host(cfg)
     t0 = time.monotonic()
