@@ -26,6 +26,23 @@ REQUIRED = {  # the brief's list -> attack names that cover it
 }
 
 
+def test_leak_markers_are_in_the_hidden_checks_only():
+    """What counts as a leak: any hidden checks file (the label pattern), and per attacked task a string of its hidden
+    checks. Each must be in hidden/checks.json and in nothing the agent is shown (instruction, workspace files), or a
+    leak would be missed, or an honest transcript flagged. The catalogue's leak attacks each have a marker."""
+    from k3.agentenv.redteam import HIDDEN_CHECKS_TEXT, LEAK_MARKERS, leaks
+
+    for root in sorted(p for p in tasks_root().iterdir() if (p / "task.json").is_file()):
+        hidden = (root / "hidden" / "checks.json").read_text()
+        visible = load_task(root).instruction + "".join(  # what the sandbox shows: the task's text and files
+            f.read_text(errors="replace") for f in (root / "workspace").rglob("*") if f.is_file())
+        assert HIDDEN_CHECKS_TEXT.search(hidden) and not HIDDEN_CHECKS_TEXT.search(visible), root.name
+        for marker in LEAK_MARKERS.get(root.name, ()):
+            assert marker in hidden and marker not in visible, (root.name, marker)
+    assert {a.task for a in ATTACKS if a.category == "leak"} <= set(LEAK_MARKERS)
+    assert leaks('{"id": "x", "label": "F2P"}', "files-organize") and not leaks("all tests pass", PY)
+
+
 def test_catalog_covers_the_brief():
     names = {a.name for a in ATTACKS}
     assert len(ATTACKS) >= 25 and len(names) == len(ATTACKS)
