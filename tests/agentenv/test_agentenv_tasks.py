@@ -174,3 +174,25 @@ def test_a_shape_no_check_foresees_still_names_the_task(tmp_path, monkeypatch):
     _rewrite_manifest(root, lambda m: m.update(verifier=[]))
     with pytest.raises(ValueError, match=r"pyfix-median: the task's files are malformed \(AttributeError"):
         load_task(root)
+
+
+def test_generated_databases_of_one_name_keep_their_own_scripts(tmp_path):
+    """live/app.db and backup/app.db were both built from setup/app.sql, the script written last: each now has the
+    script at its own path (a database at the top level keeps setup/<name>.sql, as the shipped tasks have)."""
+    import sqlite3
+
+    root = write_task(tmp_path, id="two-dbs", family="sqlite", title="t", instruction="copy rows",
+                      workspace={"note.txt": "x\n"},
+                      generate={"live/app.db": "CREATE TABLE t(x); INSERT INTO t VALUES ('live');",
+                                "backup/app.db": "CREATE TABLE t(x); INSERT INTO t VALUES ('backup');",
+                                "top.db": "CREATE TABLE t(x); INSERT INTO t VALUES ('top');"},
+                      checks=[{"id": "q", "kind": "sql", "label": "P2P", "db": "top.db", "sql": "SELECT x FROM t",
+                               "expect": {"rows": [["top"]]}}], solution=[])
+    task = load_task(root)
+    assert task.manifest["workspace"]["generate"]["top.db"] == {"sqlite_script": "setup/top.sql"}
+    for rel, (data, _) in task.workspace_files().items():
+        if rel.endswith(".db"):
+            (tmp_path / "x.db").write_bytes(data)
+            with sqlite3.connect(tmp_path / "x.db") as db:
+                assert db.execute("SELECT x FROM t").fetchall() == [(rel.split("/")[0].removesuffix(".db"),)], rel
+            (tmp_path / "x.db").unlink()

@@ -351,7 +351,7 @@ def write_task(out_dir: str | os.PathLike, *, id: str, family: str, title: str, 
     """Write a task directory with its manifest and checksum (files are written atomically).
 
     workspace: path -> text | bytes | (text|bytes, mode). generate: path -> SQL script text (stored
-    as setup/<stem>.sql and built into the database when an episode starts).
+    as setup/<path without its suffix>.sql and built into the database when an episode starts).
     """
     root = Path(out_dir) / id
     files: dict[str, dict] = {}
@@ -364,7 +364,8 @@ def write_task(out_dir: str | os.PathLike, *, id: str, family: str, title: str, 
     hidden: dict[str, dict] = {}
     gen_spec = {}
     for rel, script in sorted((generate or {}).items()):
-        setup_rel = f"setup/{posixpath.basename(rel).rsplit('.', 1)[0]}.sql"
+        # the database's own path with .sql: two databases of one name in different folders keep their own scripts
+        setup_rel = f"setup/{posixpath.splitext(rel)[0]}.sql"
         atomic_write_bytes(root / setup_rel, script.encode())
         hidden[setup_rel] = {"sha256": sha256_bytes(script.encode())}
         gen_spec[rel] = {"sqlite_script": setup_rel}
