@@ -155,3 +155,12 @@ def test_a_killed_worker_reruns_the_unfinished_episodes(sandbox, tmp_path, caplo
     assert len(recs) == 6 and any(r["status"] == "worker_error" for r in recs)
     from k3.agentenv.cli import error_report
     assert any(line.startswith("worker_error in") for line in error_report(recs))
+
+
+def test_a_file_name_with_a_backslash_is_verified(sandbox):
+    """A backslash is an ordinary character in a POSIX file name: a solved task beside a file named 'x\\y' scores 1
+    (the export refused the name, and the episode was a sandbox error that RL drops)."""
+    task = load_task(tasks_root() / "pyfix-median")
+    sol = list(task.solution[:-1]) + [{"tool": "run", "command": "touch 'x\\y'"}, task.solution[-1]]
+    rec = run_episode(task, ScriptedPolicy(sol), 0, EpisodeConfig(sandbox=sandbox))
+    assert rec["status"] == "finished" and rec["reward"] == 1.0, rec.get("error")

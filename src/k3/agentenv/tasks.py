@@ -62,9 +62,11 @@ def compute_checksum(manifest: dict) -> str:
     return sha256_bytes(canonical({k: v for k, v in manifest.items() if k != "checksum"}))
 
 
-def check_relpath(p: str, what: str) -> str:
-    """A relative, normalized POSIX path with no '..', no leading '/', no NUL."""
-    if (not isinstance(p, str) or not p or "\x00" in p or p.startswith("/") or "\\" in p
+def check_relpath(p: str, what: str, backslash: bool = False) -> str:
+    """A relative, normalized POSIX path with no '..', no leading '/', no NUL. A backslash, an ordinary character in
+    a POSIX name, is refused in what a task ships (kept portable) and allowed with `backslash` (a workspace the
+    agent wrote, where a solved task with a file named 'x\\y' was a sandbox error, not a verified episode)."""
+    if (not isinstance(p, str) or not p or "\x00" in p or p.startswith("/") or ("\\" in p and not backslash)
             or posixpath.normpath(p) != p or p == "." or p.split("/")[0] == ".."):
         raise ValueError(f"{what}: {p!r} is not a clean relative path (no '..', no leading '/')")
     return p

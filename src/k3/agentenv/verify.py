@@ -71,7 +71,7 @@ def snapshot_from_export(entries: list, max_bytes: int | None = None) -> dict[st
         if not isinstance(e, dict):
             raise SandboxError("export entry is not an object")
         try:
-            path = check_relpath(e.get("path"), "export")
+            path = check_relpath(e.get("path"), "export", backslash=True)
         except ValueError as err:
             raise SandboxError(str(err)) from err
         if path in out:
