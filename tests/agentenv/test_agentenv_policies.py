@@ -258,7 +258,7 @@ def test_run_http_checks_the_server_before_any_episode(tmp_path, capsys, monkeyp
              "parse_errors": 0, "status": "policy_error", "error": "HTTP 500"}] * n)
         code, err = _err(capsys, "run", "--policy", "http", "--base-url", srv.url, "--model", "k3-tiny",
                          "--episodes", "2", *out)
-        assert code == 1 and "every episode ended in a policy or sandbox error" in err
+        assert code == 1 and "every episode ended in a policy, sandbox or worker error" in err
     finally:
         srv.close()
     assert not (tmp_path / "r.jsonl").exists()
