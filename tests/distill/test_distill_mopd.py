@@ -122,6 +122,11 @@ def test_teacher_with_another_tokenizer_is_refused(tmp_path, small_config):
     with pytest.raises(ValueError, match="vocab_size"):
         mopd.check_same_tokenizer("teacher arith/low", tmp_path, {**manifest, "config": {"vocab_size": 7}}, "a" * 64,
                                   small_config.vocab_size)
+    # a `k3 train` checkpoint records it in its data state (it was refused as recording none)
+    trained = {"data": {"tokenizer_hash": "a" * 64}, "config": {"vocab_size": small_config.vocab_size}}
+    mopd.check_same_tokenizer("student", tmp_path, trained, "a" * 64, small_config.vocab_size)
+    with pytest.raises(ValueError, match="must share one tokenizer"):
+        mopd.check_same_tokenizer("student", tmp_path, trained, "b" * 64, small_config.vocab_size)
 
 
 def test_teacher_matrix_loading_checks_the_tokenizer(tmp_path, small_config, domain_tokenizer):

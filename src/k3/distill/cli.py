@@ -95,7 +95,7 @@ def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenize
     `missing`: what to do when PATH holds no checkpoint (default: give another path). `tokenizer_flag`: the flag
     that named the tokenizer, for a model used on its own (no teacher to share it with)."""
     from k3.distill.mopd import check_same_tokenizer
-    from k3.train.trainer import load_trained_model
+    from k3.train.trainer import load_trained_model, trained_tokenizer_hash
 
     path = Path(path)
     if (path / "checkpoint").is_dir():
@@ -112,7 +112,7 @@ def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenize
     if tokenizer_flag is None:
         check_same_tokenizer(what, path, manifest, tokenizer.fingerprint, tokenizer.vocab_size)
         return model, manifest
-    got = manifest.get("extra", {}).get("tokenizer_sha256")
+    got = trained_tokenizer_hash(manifest)
     if got != tokenizer.fingerprint or manifest.get("config", {}).get("vocab_size") != tokenizer.vocab_size:
         trained = f"tokenizer sha256 {got[:12]}..." if got else "a tokenizer it does not record"
         raise ValueError(f"{what} {path} was trained with {trained}, not the one of {tokenizer_flag} (sha256 "

@@ -209,11 +209,13 @@ def read_teachers_file(teachers_dir: str | os.PathLike) -> dict:
 
 def check_same_tokenizer(what: str, path, manifest: dict, tokenizer_sha256: str, vocab_size: int) -> None:
     """A distillation pair must share one tokenizer: the loss compares distributions id by id."""
-    got = manifest.get("extra", {}).get("tokenizer_sha256")
+    from k3.train.trainer import trained_tokenizer_hash
+
+    got = trained_tokenizer_hash(manifest)
     if got is None:
-        raise ValueError(f"{what} ({path}) records no tokenizer (extra.tokenizer_sha256 in its manifest); "
-                         "distillation needs models trained with the student's tokenizer: train it with "
-                         "`k3 distill teachers`")
+        raise ValueError(f"{what} ({path}) records no tokenizer (data.tokenizer_hash or extra.tokenizer_sha256 in its "
+                         "manifest); distillation needs models trained with the student's tokenizer: train it with "
+                         "`k3 distill teachers` or `k3 train`")
     if got != tokenizer_sha256:
         raise ValueError(f"{what} ({path}) was trained with tokenizer sha256 {got[:12]}... but the student uses "
                          f"{tokenizer_sha256[:12]}...; the reverse KL compares the two distributions token id by "

@@ -794,6 +794,12 @@ def _recorded_tokenizer_nearby(manifest: dict) -> str | None:
     return None
 
 
+def trained_tokenizer_hash(manifest: dict) -> str | None:
+    """The fingerprint of the tokenizer a checkpoint's model was trained with, where its manifest records one:
+    `k3 train` in the data state (data.tokenizer_hash), `k3 rl` / `k3 distill` in extra.tokenizer_sha256."""
+    return (manifest.get("data") or {}).get("tokenizer_hash") or (manifest.get("extra") or {}).get("tokenizer_sha256")
+
+
 def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     """The tokenizer a trained model reads: `tokenizer_path`, else the one its manifest names; refused when its
     size is not the model's or it is not the tokenizer the training data was tokenized with (same size, other
@@ -814,7 +820,7 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                          f"{vocab_size}; pass the tokenizer the model was trained with")
-    trained = data.get("tokenizer_hash") or (manifest.get("extra") or {}).get("tokenizer_sha256")
+    trained = trained_tokenizer_hash(manifest)
     if not trained and data.get("data_dir") and (Path(data["data_dir"]) / "train.json").is_file():
         trained = json.loads((Path(data["data_dir"]) / "train.json").read_text()).get("tokenizer_hash")
     if trained and trained != tokenizer.fingerprint:
