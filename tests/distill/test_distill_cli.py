@@ -359,3 +359,29 @@ def test_rerun_teachers_with_other_schedule_or_fewer_steps_is_refused(tmp_path, 
     assert json.loads((t / "teachers.json").read_text()) == info
     assert main(argv + ["--base-steps", "2", "--steps", "1"]) == 0  # the same flags: every stage already trained
     assert "already trained" in capsys.readouterr().out
+
+
+def test_overwrite_keeps_teachers_of_the_same_base_and_stale_ones_are_refused(tmp_path, domain_tokenizer, capsys):
+    """`teachers --overwrite --cells X` retrains the base (to the same weights) and X, and keeps listing the other
+    cells' teachers fine-tuned from that base (it dropped them: mopd then found no teacher for them). A teacher whose
+    base has since changed is refused by mopd / eval (it was used silently, the student starting from another
+    base), and an --overwrite to another base drops it from the listing."""
+    from k3.distill.mopd import load_teacher_matrix
+
+    t = tmp_path / "teachers"
+    common = ["distill", "teachers", "--preset", "tiny", "--set", "n_layers=2", "--tokenizer",
+              str(domain_tokenizer.path), "--out", str(t), "--steps", "1", "--batch-size", "2",
+              "--max-context", "128", "--budgets", "low=2,medium=3,high=4", "-q"]
+    assert main(common + ["--base-steps", "2", "--cells", "arith/low"]) == 0
+    assert main(common + ["--base-steps", "2", "--cells", "text/high", "--overwrite"]) == 0
+    listed = json.loads((t / "teachers.json").read_text())["teachers"]
+    assert listed == {"arith/low": "arith-low", "text/high": "text-high"}
+    load_teacher_matrix(t, domain_tokenizer.fingerprint, domain_tokenizer.vocab_size, cells=[("arith", "low")])
+    # the base trained on: its teachers are stale (the stage refuses to resume them; mopd refuses to use them)
+    assert main(common + ["--base-steps", "3", "--cells", "arith/low", "--resume"]) == 2
+    assert "arith-low was trained with other settings: base" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="teacher arith/low .* fine-tuned from the base at step 2, but the matrix's "
+                                         "base has changed since \\(now step 3"):
+        load_teacher_matrix(t, domain_tokenizer.fingerprint, domain_tokenizer.vocab_size, cells=[("arith", "low")])
+    assert main(common + ["--base-steps", "3", "--cells", "text/high", "--overwrite"]) == 0
+    assert json.loads((t / "teachers.json").read_text())["teachers"] == {"text/high": "text-high"}

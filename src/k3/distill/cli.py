@@ -255,6 +255,20 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     # each teacher records the base it was fine-tuned from: a base trained further makes it stale
     base_id = checkpoint_identity(ckpt.read_manifest(ckpt.latest_checkpoint(out / "base" / "checkpoint"), verify=False))
     listed = dict(info.get("teachers", {}))
+    if args.overwrite and info_path.is_file():
+        # --overwrite retrains the base and this run's cells; another cell's teacher stays listed while it was
+        # fine-tuned from this very base (the base retrains to the same weights from the same flags); it was dropped
+        from k3.distill.mopd import fine_tuned_from
+
+        try:
+            disk = read_teachers_file(out)
+        except ValueError:
+            disk = {}
+        if disk.get("tokenizer_sha256") == tok.fingerprint and disk.get("budgets") == budgets:
+            for cell, name in disk.get("teachers", {}).items():
+                latest = ckpt.latest_checkpoint(out / name / "checkpoint")
+                if latest is not None and fine_tuned_from(ckpt.read_manifest(latest, verify=False)) == base_id:
+                    listed.setdefault(cell, name)
     for d, e in cells:
         name = f"{d}-{e}"
         teacher = copy.deepcopy(base)

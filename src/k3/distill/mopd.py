@@ -227,6 +227,19 @@ def check_same_tokenizer(what: str, path, manifest: dict, tokenizer_sha256: str,
                          "one tokenizer and vocabulary")
 
 
+def fine_tuned_from(manifest: dict) -> dict | None:
+    """The identity of the base checkpoint a teacher was fine-tuned from (`checkpoint_identity`), as it records it."""
+    return (manifest.get("data") or {}).get("base")
+
+
+def current_base(teachers_dir: str | os.PathLike, info: dict) -> dict | None:
+    """The identity of the teacher matrix's base checkpoint as it is now, or None without one."""
+    from k3.train.checkpoint import latest_checkpoint, read_manifest
+
+    latest = latest_checkpoint(Path(teachers_dir) / info.get("base", "base") / "checkpoint")
+    return None if latest is None else checkpoint_identity(read_manifest(latest, verify=False))
+
+
 def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, vocab_size: int,
                         single_effort: str | None = None,
                         cells: Sequence[tuple[str, str]] = CELLS) -> TeacherMatrix:
@@ -237,6 +250,7 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
 
     info = read_teachers_file(teachers_dir)
     listed = info.get("teachers", {})
+    base = current_base(teachers_dir, info)
     loaded: dict[str, torch.nn.Module] = {}
     teachers, sources, identities, ident = {}, {}, {}, {}
     for d, e in cells:
@@ -251,6 +265,13 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
                                  f"`k3 distill teachers --out {teachers_dir} --cells {src}`")
             model, manifest = load_trained_model(path)
             check_same_tokenizer(f"teacher {src}", path, manifest, tokenizer_sha256, vocab_size)
+            was = fine_tuned_from(manifest)
+            if was is not None and base is not None and was != base:  # the student starts from the base as it is
+                raise ValueError(f"teacher {src} ({path}) was fine-tuned from the base at step {was.get('step')}, but "
+                                 f"the matrix's base has changed since (now step {base.get('step')}, other weights): "
+                                 f"retrain it with `k3 distill teachers --out {teachers_dir} --cells {src} "
+                                 "--overwrite` (the other cells' teachers fine-tuned from the current base stay "
+                                 "listed), or leave it out with --cells")
             loaded[src], ident[src] = model, {"source": src, **checkpoint_identity(manifest)}
         teachers[(d, e)], sources[(d, e)], identities[(d, e)] = loaded[src], src, ident[src]
     return TeacherMatrix(teachers, sources, identities)
