@@ -20,9 +20,32 @@ def test_mesh_command(capsys):
     assert main(["mesh", "--preset", "mini", "--nproc", "16", "--ep", "8", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     assert "pp 2 x dp 8" in out and "8 per EP rank" in out
-    assert "routed expert params per rank ~2.75M, other params per rank ~669K" in out  # was ~0.003B, ~0.001B
+    # counted per pipeline stage as prune_to_stage splits the model (it divided the totals by pp: ~2.75M, ~669K);
+    # mini's first layer is dense, so stage 1 holds 4 MoE layers' experts and stage 0 three
+    assert "routed expert params per rank 3.15M, other params per rank 663K (FSDP shard) on the fullest pipeline " \
+        "stage (1)" in out
+    assert "per stage (routed / other, before EP and FSDP): 0: 18.9M / 5.42M, 1: 25.2M / 5.3M" in out
     assert "layer 4: 3" in out  # Block AttnRes: the embedding + two finished blocks cross the boundary
     assert main(["mesh", "--preset", "mini", "--nproc", "64", "--ep", "7"]) == 2
+
+
+def test_stage_param_counts_are_what_each_pruned_stage_holds(capsys):
+    """k3 mesh's per-stage counts equal the parameters of each stage pruned as a pipeline run prunes it."""
+    from k3.config import get_config
+    from k3.model.accounting import build_meta, component_of
+    from k3.parallel.cli import stage_param_counts
+    from k3.parallel.pipeline import prune_to_stage, stage_layers
+
+    config = get_config("tiny")
+    for pp in (1, 2, 4):
+        counts = stage_param_counts(build_meta(config), stage_layers(config.n_layers, pp))
+        for k in range(pp):
+            stage = build_meta(config)
+            prune_to_stage(stage, k, pp) if pp > 1 else None
+            routed = sum(p.numel() for n, p in stage.named_parameters() if component_of(stage, n) == "moe_routed")
+            assert counts[k] == (routed, sum(p.numel() for p in stage.parameters()) - routed), (pp, k)
+    assert main(["mesh", "--preset", "tiny", "--nproc", "2"]) == 0  # no expert parallelism: no all-to-all
+    assert "all-to-all: none (--ep 1" in capsys.readouterr().out
 
 
 def test_relaunch_command():

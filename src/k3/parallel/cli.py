@@ -282,10 +282,32 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
     return 130 if result.interrupted else 0
 
 
+def stage_param_counts(model, ranges: list[range]) -> list[tuple[int, int]]:
+    """(routed-expert, other) parameters each pipeline stage holds, as `prune_to_stage` splits the model: its layers,
+    the embedding on the first stage, the final norm and head on the last, the AttnRes parameters on every one."""
+    from k3.model.accounting import component_of
+
+    stage_of = {i: k for k, r in enumerate(ranges) for i in r}
+    out = [[0, 0] for _ in ranges]
+    for name, p in model.named_parameters():
+        top = name.split(".")[0]
+        if top == "layers":
+            held = [stage_of[int(name.split(".")[1])]]
+        elif top == "embed":
+            held = [0]
+        elif top in ("norm", "head"):
+            held = [len(ranges) - 1]
+        else:  # attnres: every stage
+            held = range(len(ranges))
+        routed = component_of(model, name) == "moe_routed"
+        for k in held:
+            out[k][0 if routed else 1] += p.numel()
+    return [tuple(x) for x in out]
+
+
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the layout of `--nproc` ranks: groups, experts per rank, parameters per rank."""
-    from k3.model.accounting import (a2a_bytes_per_token, build_meta, count_params, format_count,
-                                     pipeline_sources)
+    from k3.model.accounting import a2a_bytes_per_token, build_meta, format_count, pipeline_sources
     from k3.model.cli import config_from_args
     from k3.parallel.pipeline import stage_layers
     from k3.parallel.placement import contiguous_placement
@@ -299,19 +321,24 @@ def cmd_mesh(args: argparse.Namespace) -> int:
         raise ValueError(f"n_experts = {config.n_experts} is not divisible by --ep {dims.ep}: k3 mesh shows the "
                          f"contiguous expert layout, so pick an --ep that divides it and the {dims.dp} data-parallel ranks ({', '.join(map(str, fits))}); "
                          "`k3 train --ep-redundant N` can place a remainder")
-    starts = [r.start for r in stage_layers(config.n_layers, dims.pp)[1:]]  # a --pp that cannot split fails here
+    ranges = stage_layers(config.n_layers, dims.pp)  # a --pp that cannot split the layers fails here
+    starts = [r.start for r in ranges[1:]]
     model = build_meta(config)
-    counts = count_params(model)
-    routed = counts["by_component"].get("moe_routed", {"total": 0})["total"]
-    other = counts["total"] - routed
-    per_stage = routed / dims.pp, other / dims.pp  # even split over stages, an approximation
+    stages = stage_param_counts(model, ranges)
     if moe:
         contiguous_placement(config.n_experts, dims.ep)
+    full = max(range(dims.pp), key=lambda i: stages[i][0] / dims.ep + stages[i][1] / dims.fsdp_size)
+    routed, other = stages[full]
+    where = f" on the fullest pipeline stage ({full})" if dims.pp > 1 else ""
     lines = [dims.describe(),
              f"{config.name}: {config.n_experts} experts -> {config.n_experts // dims.ep} per EP rank; routed expert "
-             f"params per rank ~{format_count(per_stage[0] / dims.ep, '.3g')}, other params per rank ~"
-             f"{format_count(per_stage[1] / dims.fsdp_size, '.3g')} (FSDP shard)",
-             f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes"]
+             f"params per rank {format_count(routed / dims.ep, '.3g')}, other params per rank "
+             f"{format_count(other / dims.fsdp_size, '.3g')} (FSDP shard){where}"]
+    if dims.pp > 1:
+        lines.append("per stage (routed / other, before EP and FSDP): " + ", ".join(
+            f"{i}: {format_count(r, '.3g')} / {format_count(o, '.3g')}" for i, (r, o) in enumerate(stages)))
+    lines.append(f"all-to-all payload per token per MoE layer (forward, bf16): {a2a_bytes_per_token(config):,.0f} bytes"
+                 if dims.ep > 1 else "all-to-all: none (--ep 1: every rank holds all of its stage's experts)")
     if dims.pp > 1:
         lines.append("AttnRes sources crossing each stage boundary: " +
                      ", ".join(f"layer {s}: {pipeline_sources(model, s)}" for s in starts))
