@@ -57,6 +57,9 @@ def test_table_markdown_and_gap_plot(tmp_path):
     assert rep["effort_ordered"] == {"teacher": True, "mopd": False}
     md = ev.markdown(rep)
     assert "| arith/high | 1.000 | 0.750 |" in md and "| mopd | 3.0 | - | 1.0 | no |" in md
+    # one effort level has no order to judge: "-", not "no"
+    one = ev.table({"arith/low": teacher["arith/low"]}, {"mopd": {"arith/low": student["arith/low"]}})
+    assert one["effort_ordered"] == {"teacher": None, "mopd": None} and "| mopd | 3.0 | - | - | - |" in ev.markdown(one)
     recs = [{"kind": "eval", "step": s, "gap": {"arith/low": -0.5 + 0.1 * s, "arith/high": -0.2}} for s in (0, 2, 4)]
     path = ev.plot_gaps(recs, tmp_path / "gap.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -112,10 +112,10 @@ def effort_lengths(result: dict[str, dict]) -> dict[str, float]:
     return out
 
 
-def ordered(lengths: dict[str, float]) -> bool:
-    """low < medium < high (strictly), over the levels present."""
+def ordered(lengths: dict[str, float]) -> bool | None:
+    """low < medium < high (strictly), over the levels present; None with fewer than two (nothing to order)."""
     vals = [lengths[e] for e in EFFORTS if e in lengths]
-    return len(vals) > 1 and all(a < b for a, b in zip(vals, vals[1:]))
+    return all(a < b for a, b in zip(vals, vals[1:])) if len(vals) > 1 else None
 
 
 def table(teacher: dict[str, dict], models: dict[str, dict[str, dict]]) -> dict:
@@ -158,7 +158,7 @@ def markdown(report: dict) -> str:
               "|---|" + "---:|" * len(EFFORTS) + "---|"]
     for n, lengths in report["reasoning_tokens"].items():
         lines.append(f"| {n} | " + " | ".join(f"{lengths[e]:.1f}" if e in lengths else "-" for e in EFFORTS)
-                     + f" | {'yes' if report['effort_ordered'][n] else 'no'} |")
+                     + f" | {({True: 'yes', False: 'no'}).get(report['effort_ordered'][n], '-')} |")
     if report.get("reverse_kl"):
         kn = [k for k in report["reverse_kl"][0] if k != "cell"]
         lines += ["", "| reverse KL to the cell's teacher (nats/token) | " + " | ".join(kn) + " |",
