@@ -104,3 +104,19 @@ def seed(text: str) -> int:
     if not 0 <= v < MAX_SEED:
         raise argparse.ArgumentTypeError(f"{v} is outside [0, 2^62): give a seed in that range")
     return v
+
+
+def as_flags(make, flags: dict[str, str]):
+    """make() -> a validated config; its ValueError reworded with the command's flags instead of the config's field
+    names (`flags`: field -> flag), so an error names what the user typed."""
+    import re
+
+    try:
+        return make()
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in flags.items():
+            msg = re.sub(rf"\b{field} = ", f"{flag} ", msg)
+            if "_" in field or field == "beta":  # identifiers, never words of the message's prose
+                msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
+        raise ValueError(msg) from None

@@ -275,6 +275,12 @@ def test_distill_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch
         (mopd + ["--reward-coef", "nan"], "--reward-coef nan must be a number >= 0"),
         (mopd + ["--max-answer-tokens", "0"], "--max-answer-tokens 0 must be a positive integer"),
         (mopd + ["--per-cell", "0"], "--per-cell 0 must be a positive integer"),
+        # the loop's settings, named by their flags (they read "lr = 0.0 must be ...") and checked before the
+        # teachers are read
+        (mopd + ["--lr", "0"], "--lr 0.0 must be a positive number"),
+        (mopd + ["--eval-every", "-1"], "--eval-every -1 must be an integer >= 0"),
+        (mopd + ["--warmup-steps", "-1"], "--warmup-steps -1 must be an integer >= 0"),
+        (mopd + ["--token-budget", "0"], "--token-budget 0 must be a positive number of tokens"),
         (["distill", "mopd", "--teachers", nowhere, "--out", str(dirpath / "f"), "-q"], "is a file; give a directory"),
         (teach[:-3] + ["--out", str(dirpath / "f"), "-q"], "is a file; give a directory"),
         (ev + ["--n", "0"], "--n 0 must be a positive integer"),

@@ -8,7 +8,8 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import MATPLOTLIB_PLOTS, at_least, output_dir, output_file, output_png, seed as seed_type
+from k3.cli_checks import (MATPLOTLIB_PLOTS, as_flags, at_least, output_dir, output_file, output_png,
+                           seed as seed_type)
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
 
@@ -36,6 +37,13 @@ def _parse_cells(text: str | None):
     if not text or text == "all":
         return CELLS
     return tuple(parse_cell(c.strip()) for c in text.split(",") if c.strip())
+
+
+# `k3 distill mopd`'s config fields -> its flags, so a config's error names what the user typed
+MOPD_FLAGS = {"mode": "--mode", "kl": "--kl", "per_cell": "--per-cell", "temperature": "--temperature",
+              "max_answer_tokens": "--max-answer-tokens", "reward_coef": "--reward-coef", "eval_n": "--eval-n",
+              "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "ckpt_every": "--ckpt-every",
+              "eval_every": "--eval-every", "token_budget": "--token-budget"}
 
 
 def _check_rate(flag: str, value: float | None) -> None:
@@ -385,21 +393,21 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
-    set_threads(args.threads)
-    info, tok = _teachers_tokenizer(args.teachers)
-    mc = MOPDConfig(mode=args.mode, kl=args.kl, per_cell=args.per_cell, cells=_parse_cells(args.cells),
-                    temperature=args.temperature, max_answer_tokens=args.max_answer_tokens,
-                    reward_coef=args.reward_coef, budgets=dict(info["budgets"]), eval_n=args.eval_n,
-                    eval_seed=args.eval_seed).validate()
     token_budget = args.token_budget
     if match_metrics is not None:
         recs = [r for r in read_metrics(match_metrics) if r.get("kind") == "train"]
         if not recs:
             raise ValueError(f"--match-tokens {args.match_tokens}: its metrics.jsonl has no training records")
         token_budget = int(recs[-1]["tokens"])
-    lc = LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
-                    seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                    token_budget=token_budget, keep_last=2).validate()
+    lc = as_flags(lambda: LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
+                                     ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                                     token_budget=token_budget, keep_last=2).validate(), MOPD_FLAGS)
+    set_threads(args.threads)
+    info, tok = _teachers_tokenizer(args.teachers)
+    mc = as_flags(lambda: MOPDConfig(
+        mode=args.mode, kl=args.kl, per_cell=args.per_cell, cells=_parse_cells(args.cells),
+        temperature=args.temperature, max_answer_tokens=args.max_answer_tokens, reward_coef=args.reward_coef,
+        budgets=dict(info["budgets"]), eval_n=args.eval_n, eval_seed=args.eval_seed).validate(), MOPD_FLAGS)
     student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
     student, _ = _load_model(student_path, tok, "student", None if args.student else "retrain the teachers' shared "
                              f"base with `k3 distill teachers --out {args.teachers}`, or pass --student RUN_DIR")

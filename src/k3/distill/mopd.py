@@ -257,7 +257,8 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
         src = cell_name(d, check_effort(single_effort) if single_effort else e)
         if src not in listed:
             raise ValueError(f"{Path(teachers_dir) / TEACHERS_FILE} lists no teacher for {src}; train it with "
-                             f"`k3 distill teachers --out {teachers_dir} --cells {src}`")
+                             f"`k3 distill teachers --out {teachers_dir} --cells {src}`, or leave the cell out with "
+                             f"--cells (listed: {', '.join(sorted(listed)) or 'none'})")
         if src not in loaded:
             path = Path(teachers_dir) / listed[src] / "checkpoint"
             if not path.is_dir():

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import MATPLOTLIB_PLOTS, at_least, output_file, output_png, seed as seed_type
+from k3.cli_checks import MATPLOTLIB_PLOTS, as_flags, at_least, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
@@ -100,16 +100,7 @@ _FLAGS = {"groups_per_step": "--groups", "group_size": "--group-size", "max_toke
 
 def _validated(make):
     """make() -> a validated config; its ValueError reworded with the flags instead of the config's fields."""
-    import re
-    try:
-        return make()
-    except ValueError as e:
-        msg = str(e)
-        for field, flag in _FLAGS.items():
-            msg = re.sub(rf"\b{field} = ", f"{flag} ", msg)
-            if "_" in field or field == "beta":  # identifiers, never words of the message's prose
-                msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
-        raise ValueError(msg) from None
+    return as_flags(make, _FLAGS)
 
 
 def _loop_config(args, **defaults):
