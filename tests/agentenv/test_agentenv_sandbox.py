@@ -230,3 +230,21 @@ def test_read_reaches_every_line_of_a_large_file_and_says_where_it_stops(sandbox
         s.write("s.txt", long_line + "\n")
         (m,) = s.search("needle", "s.txt")["matches"]
         assert "needle" in m and m.startswith("s.txt:1:...") and m.endswith("...")
+
+
+def test_a_command_past_the_argument_size_limit_runs(sandbox):
+    """One argv string is capped at 128 KiB: a longer command (e.g. the shell form Codex's dialect gives a large
+    write without a final newline) failed with E2BIG; it runs from a script file, which is gone afterwards."""
+    from k3.agentenv.dialects import make_dialect, make_variant
+
+    content = "x" * 150_000  # no final newline: Codex's patch cannot carry it, so it becomes a shell command
+    d = make_dialect(make_variant("codex"))
+    (action,) = d.parse(d.render_call(make_action("write", {"path": "big.txt", "content": content})))
+    assert action.tool == "run" and len(action.args["command"]) > 128 * 1024
+    with Session(FILES, sandbox) as s:
+        ok, obs = execute(s, action)
+        assert ok, obs
+        r = s.run(f"wc -c < big.txt; printf '%s' '{'y' * 140_000}' | wc -c")
+        assert r["ok"] and r["output"].split() == ["150000", "140000"], r
+        r = s.run("ls -a \"${TMPDIR:-/tmp}\" | grep -c k3-command || true")  # the scripts were removed
+        assert r["ok"] and r["output"].split() == ["0"], r

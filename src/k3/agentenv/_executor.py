@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.realpath(sys.argv[1])
@@ -203,16 +204,33 @@ def _whole_chars_end(buf):
     return len(buf)
 
 
+# one argv string is capped at 128 KiB (the kernel's MAX_ARG_STRLEN): a longer command is run from a script file
+LONG_COMMAND_BYTES = 100_000
+
+
 def op_run(req):
     cmd = req["command"]
     if not isinstance(cmd, str) or not cmd.strip():
         raise ValueError("command must be a non-empty string")
+    data = cmd.encode("utf-8", "surrogateescape")
+    if len(data) <= LONG_COMMAND_BYTES:
+        return _run_command(["/bin/bash", "-c", cmd], req)
+    fd, script = tempfile.mkstemp(prefix=".k3-command-", suffix=".sh")  # (E2BIG: a big write failed under codex)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return _run_command(["/bin/bash", script], req)
+    finally:
+        os.unlink(script)
+
+
+def _run_command(argv, req):
     cap = float(CFG["command_timeout_s"])
     timeout = min(float(req.get("timeout") or cap), cap)
     env = dict(CFG["env"])
     start = time.monotonic()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen(["/bin/bash", "-c", cmd], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=child_limits, close_fds=True)
     fd = proc.stdout.fileno()

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from .actions import ACTIONS, ARG_DESCRIPTIONS, DESCRIPTIONS, Action, ActionError, make_action
 
 
+SHELL_ARG_BYTES = 100_000  # a program's argument stays under the kernel's 128 KiB per-string cap
+
+
 def as_shell_action(a: Action) -> Action:
     """The same write / edit / run as a `run` of a command made only of letters, digits and a few punctuation
     marks (its arguments base64-encoded), for text a dialect's markup cannot carry (a closing tag in Claude's XML
@@ -47,6 +50,8 @@ def as_shell_action(a: Action) -> Action:
                 "else t.replace(a['old'], a['new'], 1)).encode())")
     else:
         raise ValueError(f"{a.tool} has no shell form")
+    if len(head) + len(body) > SHELL_ARG_BYTES:  # past one argv string's 128 KiB cap: the script on stdin instead
+        return Action("run", {"command": f"python3 - <<'K3_EOF'\n{head + body}\nK3_EOF"})  # (base64 has no '_')
     return Action("run", {"command": "python3 -c " + shlex.quote(head + body)})
 
 
