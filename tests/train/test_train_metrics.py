@@ -61,6 +61,11 @@ def test_plots_are_written(tmp_path):
         assert out.read_bytes()[:8] == PNG and out.stat().st_size > 2000
     # empty inputs still give a (placeholder) image rather than a crash
     assert plot_experts([], tmp_path / "e.png").read_bytes()[:8] == PNG
+    import warnings
+
+    with warnings.catch_warnings():  # no records (a run stopped before its first step): no empty-legend warning
+        warnings.simplefilter("error")
+        assert plot_loss([], tmp_path / "l.png").read_bytes()[:8] == PNG
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in recs)
     paths = plot_all(tmp_path, baseline=4.0)

@@ -61,7 +61,10 @@ def plot_loss(records: list[dict], path: str | os.PathLike, baseline: float | No
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title("loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or val or baseline is not None:
+        ax.legend()
+    else:  # a run stopped before its first step (a spent time budget) has nothing to draw yet
+        ax.text(0.5, 0.5, "no training or validation records yet", ha="center", va="center", transform=ax.transAxes)
     return save_figure(fig, path)
 
 
