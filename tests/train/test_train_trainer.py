@@ -112,7 +112,9 @@ def test_a_non_finite_gradient_is_never_applied_or_saved(tmp_path, fake_data):
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
     blow_up = t.model.head.weight.register_hook(lambda g: g * float("inf") if t.step == 1 else g)
-    with pytest.raises(ValueError, match="gradient norm is (inf|nan) at step 2 \\(not applied, not saved\\)"):
+    # the advice says how (a resume under another --lr is refused)
+    with pytest.raises(ValueError, match="gradient norm is (inf|nan) at step 2 \\(not applied, not saved\\); lower "
+                                         "--lr or check the data \\(a run with another --lr starts over: --overwrite"):
         t.fit()
     blow_up.remove()
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000001"
@@ -208,7 +210,9 @@ def test_bad_inputs_fail_before_training(tmp_path, fake_data):
         Trainer(cfg, TrainConfig(**TINY), fake_data(vocab_size=1024), None, tmp_path / "x")
     with pytest.raises(ValueError, match="fewer than one batch"):
         Trainer(cfg, TrainConfig(**dict(TINY, batch_size=8, seq_len=64)), fake_data(n_tokens=300), None)
-    with pytest.raises(ValueError, match=r"validation data has 40 tokens, fewer than one window needs \(65 = seq_len"):
+    with pytest.raises(ValueError, match=r"validation data has 40 tokens, fewer than one window needs \(65 = seq_len"
+                                         r" \+ 1\); give more text, a larger share of it for validation \(`k3 "
+                                         r"tokenize --val-fraction`\), or lower --seq-len"):
         Trainer(cfg, TrainConfig(**dict(TINY, batch_size=4, seq_len=64)), fake_data(), fake_data(n_tokens=40))
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not writable"):

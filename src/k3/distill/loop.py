@@ -270,7 +270,10 @@ class StepLoop:
                 model.update_balancing()
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise ValueError(f"training diverged: loss is {value} at step {self.step + 1}; lower --lr")
+            from k3.train.trainer import DIVERGED_RESTART
+
+            raise ValueError(f"training diverged: loss is {value} at step {self.step + 1}; lower --lr "
+                             f"({DIVERGED_RESTART})")
         self.step += 1
         n_tok = int(out.pop("tokens", 0))
         self.tokens += n_tok

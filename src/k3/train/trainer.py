@@ -252,6 +252,10 @@ def dataset_vocab_size(dataset) -> int | None:
     return v
 
 
+# a resume keeps the run's learning rate (it is refused under another): what a lower --lr takes
+DIVERGED_RESTART = "a run with another --lr starts over: --overwrite or another --out"
+
+
 def check_dataset(dataset, name: str, config: K3Config, batch_size: int, seq_len: int, seed: int,
                   min_tokens: int | None = None) -> None:
     """Fail before training on a dataset that cannot produce one batch or whose ids exceed the vocab."""
@@ -266,8 +270,10 @@ def check_dataset(dataset, name: str, config: K3Config, batch_size: int, seq_len
     need = min_tokens if min_tokens is not None else seq_len + 1
     if n_tokens is not None and n_tokens < need:
         if min_tokens is None:
+            more = ("more text, a larger share of it for validation (`k3 tokenize --val-fraction`)"
+                    if name == "validation" else "more text")
             raise ValueError(f"{name} data has {n_tokens:,} tokens, fewer than one window needs ({need:,} = seq_len "
-                             "+ 1); give more text or lower --seq-len")
+                             f"+ 1); give {more}, or lower --seq-len")
         raise ValueError(f"{name} data has {n_tokens:,} tokens, fewer than one batch needs ({need:,} = "
                          f"batch_size x seq_len + 1); give more text or lower --batch-size / --seq-len")
     x, y = split_batch(dataset.get_batch(0, batch_size, seq_len, seed))
@@ -543,7 +549,7 @@ class Trainer:
             if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # before the update: never applied
                 what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {float(grad_norm)}"
                 raise ValueError(f"training diverged: {what} at step {self.step + 1} (not applied, not saved); "
-                                 "lower --lr or check the data")
+                                 f"lower --lr or check the data ({DIVERGED_RESTART})")
             self.optimizer.step()
         t_opt = time.perf_counter() - t3
         clip = None
