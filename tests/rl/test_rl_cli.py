@@ -78,6 +78,15 @@ def test_rl_stages_end_to_end(tmp_path, capsys, sandbox_ok, monkeypatch):
     assert (tmp_path / "exp/tokenizer.json").read_bytes() == tok_bytes
     assert main([*warm2, "--vocab-size", "600", "--resume"]) == 0  # the same settings reuse it
     assert (tmp_path / "exp/tokenizer.json").read_bytes() == tok_bytes
+    # the warm start trained on: a GRPO run from it without a KL term still resumes (it was refused: "'init' is
+    # 'warmstart@2' in the checkpoint but 'warmstart@3' now"); with beta 0 the init model is not used on a resume
+    w3 = [*warm2[:warm2.index("--steps") + 1], "3", *warm2[warm2.index("--steps") + 2:]]
+    assert main([*w3, "--vocab-size", "600", "--resume"]) == 0
+    capsys.readouterr()
+    assert main(["rl", "train", *common, "--tasks-per-kind", "1", "--steps", "3", "--groups", "1",
+                 "--group-size", "2", "--max-tokens", "6", "--name", "fixed", "--harness", "fixed", "--max-turns", "2",
+                 "--resume", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
     capsys.readouterr()
     assert main([*warm2, "--vocab-size", "500", "--overwrite"]) == 0  # rebuilt, and the warm start retrained
     assert "tokenizer 500 tokens" in capsys.readouterr().err

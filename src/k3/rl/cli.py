@@ -303,7 +303,7 @@ def cmd_train(args) -> dict:
     bar = _Bar(args.steps, f"grpo {args.name}", ("reward_mean", "loss"), not args.quiet)
     try:
         records = run_grpo(model, tok, tasks, gcfg, lcfg, root / args.name,
-                           init=f"{args.init}@{manifest['step']}", ref_model=ref, resume=args.resume,
+                           init=_init_tag(root, args, manifest, gcfg.beta), ref_model=ref, resume=args.resume,
                            overwrite=args.overwrite, on_record=bar, graceful_interrupt=args.graceful)
     finally:
         bar.close()
@@ -319,6 +319,20 @@ def cmd_train(args) -> dict:
     return {"run": args.name, "steps": train[-1]["step"] if train else None,
             "reward_first": train[0]["reward_mean"] if train else None,
             "reward_last": train[-1]["reward_mean"] if train else None}
+
+
+def _init_tag(root: Path, args, init_manifest: dict, beta: float) -> str:
+    """The init a GRPO run records (NAME@STEP) and a resume must match. Without a KL term (beta 0) a resume never
+    uses the init model (the run's own checkpoint holds the weights), so an init trained on since does not block
+    it: the tag the run recorded stands. With beta > 0 it is the KL reference, and a moved one is refused."""
+    tag = f"{args.init}@{init_manifest['step']}"
+    if not (args.resume and beta == 0):
+        return tag
+    from k3.train.checkpoint import latest_checkpoint, read_manifest
+
+    latest = latest_checkpoint(root / args.name / "checkpoint")
+    recorded = (read_manifest(latest, verify=False).get("data") or {}).get("init") if latest else None
+    return recorded if isinstance(recorded, str) and recorded.rpartition("@")[0] == args.init else tag
 
 
 def cmd_eval(args) -> dict:
