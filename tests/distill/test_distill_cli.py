@@ -29,6 +29,11 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
     assert main(again) == 2  # another batch size: not silently the stage trained with batch 2
     assert "batch_size 2 (now 16)" in capsys.readouterr().err
 
+    # an answer length that leaves no room for a prompt in max_context (128): refused before any step, by its flag
+    assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "2",
+                 "--max-answer-tokens", "130", "-q"]) == 2
+    assert "--max-answer-tokens 130 with the teachers' largest thinking budget (4) leaves no room" in \
+        capsys.readouterr().err and not m.exists()
     assert main(["distill", "mopd", "--teachers", str(t), "--out", str(m), "--cells", "arith/low", "--steps", "2",
                  "--per-cell", "2", "--eval-every", "1", "--eval-n", "1", "--max-answer-tokens", "3", "-q"]) == 0
     recs = read_metrics(m / "metrics.jsonl")

@@ -411,6 +411,11 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
     student, _ = _load_model(student_path, tok, "student", None if args.student else "retrain the teachers' shared "
                              f"base with `k3 distill teachers --out {args.teachers}`, or pass --student RUN_DIR")
+    room = student.config.max_context - max(mc.budgets.values()) - mc.max_answer_tokens - 2
+    if room < 1:  # no prompt fits beside the longest thinking budget and the answer: every step would fail
+        raise ValueError(f"--max-answer-tokens {mc.max_answer_tokens} with the teachers' largest thinking budget "
+                         f"({max(mc.budgets.values())}) leaves no room for a prompt in the student's max_context = "
+                         f"{student.config.max_context}; lower --max-answer-tokens")
     teachers = load_teacher_matrix(args.teachers, tok.fingerprint, tok.vocab_size, args.single_teacher, mc.cells)
     out = Path(args.out)
     domains = make_domains()
