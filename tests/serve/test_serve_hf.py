@@ -120,6 +120,10 @@ def test_generate_with_chunked_prefill_and_continuing_from_a_returned_cache():
     assert torch.equal(more, ref)
     with pytest.raises(ValueError, match="not supported"):
         hf.generate(ids, max_new_tokens=2, cache_implementation="static")
+    # modes that roll the cache back: refused by name (they failed inside transformers with an AttributeError)
+    for kw in ({"assistant_model": hf}, {"prompt_lookup_num_tokens": 3}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}: assisted and prompt-lookup decoding"):
+            hf.generate(ids[:1], max_new_tokens=2, do_sample=False, **kw)
 
 
 def test_generate_stops_at_eos_like_the_reference():

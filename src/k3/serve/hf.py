@@ -138,6 +138,22 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # a DynamicCache cannot hold KDA states; see _prepare_cache_for_generation
 
+    def generate(self, *args, **kwargs):
+        """transformers' generate(), refusing up front the modes that roll the cache back (a KDA state cannot drop
+        tokens): assisted / prompt-lookup decoding failed inside transformers with an AttributeError."""
+        config = kwargs.get("generation_config") or self.generation_config
+        asked = [name for name, on in (
+            ("assistant_model", kwargs.get("assistant_model") is not None),
+            ("prompt_lookup_num_tokens", kwargs.get("prompt_lookup_num_tokens",
+                                                    getattr(config, "prompt_lookup_num_tokens", None)) is not None),
+            ("assistant_early_exit", kwargs.get("assistant_early_exit",
+                                                getattr(config, "assistant_early_exit", None)) is not None)) if on]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: assisted and prompt-lookup decoding drop rejected tokens from the "
+                             "cache, which a KDA state cannot undo; generate without them (greedy, sampling and beam "
+                             "search work)")
+        return super().generate(*args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """generate() hook: start from an empty K3GenerationCache (so `prefill_chunk_size` works) unless the
         caller passed a cache to continue from, which must be k3's."""
