@@ -293,7 +293,8 @@ def cmd_train(args) -> dict:
     lcfg = _loop_config(args)
     _check_fresh(root / args.name, args, "another --name")
     tok = _tokenizer(root)
-    _check_models(root, [args.init], gcfg.max_tokens, other="--init")  # every episode excluded: steps that train nothing
+    # a --max-tokens no prompt fits beside: every episode excluded, steps that train nothing
+    _check_models(root, [args.init], gcfg.max_tokens, other="--init")
     model, manifest = _load(root, args.init, tok)
     ref = None
     if gcfg.beta > 0:
