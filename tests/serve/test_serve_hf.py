@@ -150,6 +150,10 @@ def test_forward_loss_padding_and_cache_errors():
     out = hf(ids, labels=ids, use_cache=False)
     want = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
     assert out.cache is None and torch.allclose(out.loss, want)
+    # HF Trainer's gradient accumulation passes the whole batch's target count: the loss is then the sum over
+    # this micro-batch's targets divided by it (the argument was refused as unsupported)
+    summed = hf(ids, labels=ids, use_cache=False, num_items_in_batch=torch.tensor(40)).loss
+    assert torch.allclose(summed, want * ids[:, 1:].numel() / 40)
     # prefill + continuation through the returned cache equals one forward; past_key_values is an alias
     a = hf(ids[:, :5], use_cache=True)
     b = hf(ids[:, 5:], past_key_values=a.cache)

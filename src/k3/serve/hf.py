@@ -211,6 +211,9 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         kwargs.pop("position_ids", None)  # positions come from the KDA recurrence (MLA is NoPE)
+        # HF Trainer (gradient accumulation): the loss is the sum over the micro-batch's target tokens divided by
+        # the whole batch's count, so that accumulated micro-batches average over tokens, not over micro-batches
+        n_items = kwargs.pop("num_items_in_batch", None)
         if kwargs.pop("output_attentions", False) or kwargs.pop("output_hidden_states", False):
             raise ValueError("K3ForCausalLM does not return attentions or per-layer hidden states; "
                              "call model.model.hidden_states(input_ids) for the final hidden states")
@@ -235,7 +238,12 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             if logits_to_keep:
                 raise ValueError("labels need logits for every position; leave logits_to_keep = 0")
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+            if n_items is None:
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                       ignore_index=-100)
+            else:
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                       ignore_index=-100, reduction="sum") / n_items
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def _reorder_cache(self, cache: HybridCache, beam_idx: torch.LongTensor) -> HybridCache:
