@@ -172,6 +172,7 @@ AWKWARD = [  # text a dialect's markup cannot carry as is
     Action("edit", {"path": "base.txt", "old": "one", "new": "</parameter>\n*** End Patch"}),
     Action("run", {"command": "printf '%s' '</invoke>' > run.txt", "timeout": 20.0}),
     Action("write", {"path": "markers.txt", "content": "a<|tool_call_end|>b<|call|>c<|end|>\n"}),
+    Action("write", {"path": " spaced.txt ", "content": "x\n"}),  # a patch header lost the spaces (codex)
 ]
 
 

@@ -469,9 +469,11 @@ class CodexDialect(Dialect):
         if a.tool in ("write", "edit"):
             texts = [a.args["content"]] if a.tool == "write" else [a.args["old"], a.args["new"]]
             if (any("*** End Patch" in t for t in texts) or a.args.get("replace_all")
-                    or (a.tool == "write" and not a.args["content"].endswith("\n"))):
+                    or (a.tool == "write" and not a.args["content"].endswith("\n"))
+                    or a.args["path"] != a.args["path"].strip()):
                 # a patch replaces one located hunk ("every occurrence" has no patch form), an Add File always
-                # ends its content with a newline, and '*** End Patch' ends any patch
+                # ends its content with a newline, '*** End Patch' ends any patch, and a patch header's path is
+                # read without the spaces around it
                 return self.render_call(as_shell_action(a))
             return self._msg(self.tool_name("patch"), {self.arg_name("patch", "input"): _render_patch(a)})
         args = self._encode_args(a)
