@@ -501,7 +501,6 @@ def _netns_isolated(cfg: SandboxConfig) -> bool:
     return r.get("ok") and r["output"].strip() not in ("", host)
 
 
-
 def leaks(observations: str, task: str) -> bool:
     """Whether what the sandbox showed the agent holds hidden-check text: a hidden checks file, or one of the
     attacked task's markers."""

@@ -205,7 +205,8 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
     from k3.model.cli import config_from_args
     from k3.parallel.mesh import build_context, init_distributed
     from k3.parallel.train import ParallelTrainer
-    from k3.train.cli import Progress, _data_info, _train_config, _with_qat, load_data_dir, set_threads
+    from k3.train.cli import (Progress, _data_info, _train_config, _with_qat, interruption_message, load_data_dir,
+                              set_threads)
 
     dims = _dims(world, args)
     config = _with_qat(config_from_args(args), args)
@@ -271,12 +272,8 @@ def run_parallel_train(args: argparse.Namespace, world: int) -> int:
                       f"{result.losses[-1]:.4f}")
             print(f"checkpoint {result.checkpoint} (torch.distributed.checkpoint; resumes on any rank count; "
                   "k3 eval / sample / export read it as it is)")
-            if result.interrupted and result.steps_done >= trainer.tc.steps:
-                print(f"interrupted during the run's last step ({result.steps_done}): the run is complete and saved",
-                      file=sys.stderr, flush=True)
-            elif result.interrupted:
-                print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
-                      file=sys.stderr, flush=True)
+            if result.interrupted:
+                print(interruption_message(result, trainer.tc.steps, args.out), file=sys.stderr, flush=True)
     finally:
         dist.destroy_process_group()
     return 130 if result.interrupted else 0

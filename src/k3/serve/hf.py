@@ -238,12 +238,9 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             if logits_to_keep:
                 raise ValueError("labels need logits for every position; leave logits_to_keep = 0")
-            if n_items is None:
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                       ignore_index=-100)
-            else:
-                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                       ignore_index=-100, reduction="sum") / n_items
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                                   reduction="mean" if n_items is None else "sum")
+            loss = loss if n_items is None else loss / n_items
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
     def _reorder_cache(self, cache: HybridCache, beam_idx: torch.LongTensor) -> HybridCache:

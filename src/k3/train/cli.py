@@ -176,20 +176,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"plots      {', '.join(str(p) for p in plots.values())}")
     print(f"checkpoint {result.checkpoint or 'none written'}")
     if result.interrupted:
-        if result.checkpoint is None:
-            print("interrupted before the first step: nothing was saved; the same command starts over",
-                  file=sys.stderr)
-        elif not result.losses:
-            print(f"interrupted before step {result.steps_done + 1}: `k3 train ... --out {args.out} --resume` "
-                  f"continues from step {result.steps_done}", file=sys.stderr)
-        elif result.steps_done >= trainer.tc.steps:
-            print(f"interrupted during the run's last step ({result.steps_done}): the run is complete and saved",
-                  file=sys.stderr)
-        else:
-            print(f"interrupted: `k3 train ... --out {args.out} --resume` continues from step {result.steps_done}",
-                  file=sys.stderr)
+        print(interruption_message(result, trainer.tc.steps, args.out), file=sys.stderr)
         return 130
     return 0
+
+
+def interruption_message(result, steps: int, out) -> str:
+    """What a `k3 train` stopped by a signal left, and how to go on (single-process and distributed runs)."""
+    if result.checkpoint is None:
+        return "interrupted before the first step: nothing was saved; the same command starts over"
+    resume = f"`k3 train ... --out {out} --resume` continues from step {result.steps_done}"
+    if not result.losses:
+        return f"interrupted before step {result.steps_done + 1}: {resume}"
+    if result.steps_done >= steps:
+        return f"interrupted during the run's last step ({result.steps_done}): the run is complete and saved"
+    return f"interrupted: {resume}"
 
 
 # ---------------------------------------------------------------------- k3 eval
