@@ -2,6 +2,10 @@
 
     python benchmarks/balancing.py [--json] [--steps N] [--quick] [--aux-coef C] [--methods none,bias@1e-2,...]
 
+Quantile Balancing runs in both estimators: `quantile` is the release's (Megatron-LM PR #6637: histograms of
+r = alpha - s, 1000 bins over [min b - 1, max b + 1]; `quantile@N` for N bins), `quantile_exact` k3's earlier
+one (the quantile by sorting, exact in one process).
+
 Task: next-token prediction on a first-order Markov chain over a Zipf-skewed vocabulary: after token t the
 next token is succ[t] (a fixed random map) with probability 1/2, else a draw from Zipf(1.1). Frequent
 tokens dominate the batches, so a freshly initialised router already sends them to "their" experts and the
@@ -28,12 +32,12 @@ from k3.config import get_config
 from k3.model.moe import MoE
 from k3.benchtools import bench_out, machine, write_result, positive_int
 
-METHODS = ("none", "aux_loss", "bias", "quantile")
+METHODS = ("none", "aux_loss", "bias", "quantile", "quantile_exact")
 # the default runs: each method at the config's default (bias: DeepSeek-V3's gamma 1e-3; aux: 1e-4, DeepSeek-V3's
 # coefficient for its complementary sequence-wise loss), and the two tunable ones at a stronger setting too, since
 # 200 steps of gamma 1e-3 move a bias by at most 0.2 (a short run handicaps them at the defaults)
-DEFAULT_RUNS = "none,aux_loss,aux_loss@1e-2,bias,bias@1e-2,quantile"
-KNOB = {"aux_loss": "aux_loss_coef", "bias": "bias_update_rate"}
+DEFAULT_RUNS = "none,aux_loss,aux_loss@1e-2,bias,bias@1e-2,quantile,quantile@100,quantile_exact"
+KNOB = {"aux_loss": "aux_loss_coef", "bias": "bias_update_rate", "quantile": "quantile_bins"}
 
 
 class MarkovZipf:
@@ -84,11 +88,16 @@ class MoEStack(nn.Module):
 
 
 def parse_run(spec: str) -> tuple[str, float | None]:
-    """'bias' or 'bias@1e-2' (the method at another aux_loss_coef / bias_update_rate) -> (method, value)."""
+    """'bias' or 'bias@1e-2' (the method at another aux_loss_coef / bias_update_rate / quantile_bins) ->
+    (method, value)."""
     method, _, value = spec.partition("@")
     if method not in METHODS or (value and method not in KNOB):
         raise ValueError(f"{spec!r}: use one of {', '.join(METHODS)}, or {' / '.join(KNOB)}@VALUE")
     try:
+        if value and method == "quantile":
+            if int(value) < 2:
+                raise ValueError
+            return method, int(value)
         return method, (float(value) if value else None)
     except ValueError:
         raise ValueError(f"{spec!r}: {value!r} is not a number") from None
@@ -97,7 +106,9 @@ def parse_run(spec: str) -> tuple[str, float | None]:
 def train(spec: str, cfg, batches: list, steps: int, n_layers: int, batch: int, seq: int, lr: float) -> dict:
     torch.manual_seed(0)
     method, value = parse_run(spec)
-    cfg = cfg.replace(balancing=method, **({KNOB[method]: value} if value is not None else {}))
+    estimator = {"quantile_exact": dict(balancing="quantile", quantile_estimator="exact"),
+                 "quantile": dict(quantile_estimator="histogram")}.get(method, {})
+    cfg = cfg.replace(**{"balancing": method, **estimator}, **({KNOB[method]: value} if value is not None else {}))
     model = MoEStack(cfg, n_layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses, imbalance = [], []

@@ -8,7 +8,7 @@ many tokens leaves, then one-token decode steps are timed in alternating order; 
 of the per-repeat ratios t(all-MLA) / t(hybrid). Cache bytes are `HybridCache.nbytes()`.
 
 The caches are filled with random tensors of the exact shapes and dtypes a real prefill produces (KDA:
-conv tail [B, 3HK, W-1] and state [B, H, K, V]; MLA: latent [B, context, kv_lora_rank]) instead of by a
+conv tail [B, 3HK, W-1] and state [B, H, K, V]; MLA: latent and shared key [B, context, kv_lora_rank + qk_rope_head_dim]) instead of by a
 real prefill, which for the all-MLA model at 256k tokens is quadratic and would take hours on a CPU.
 Decode time does not depend on the values. At `--check-context` tokens the script checks both claims:
 a real chunked prefill gives caches of exactly the same shapes, dtypes and bytes, and decoding from it
@@ -50,7 +50,7 @@ def fill_cache(model: K3Model, context: int, batch: int = 1, generator: torch.Ge
             # the delta rule keeps the state bounded; a small scale keeps random values in that range
             slot.state = 0.1 * torch.randn(batch, m.n_heads, m.head_dim, V, generator=generator, dtype=torch.float32)
         else:
-            slot.latent = torch.randn(batch, context, m.kv_lora_rank, generator=generator, dtype=dtype)
+            slot.latent = torch.randn(batch, context, m.kv_lora_rank + m.rope_dim, generator=generator, dtype=dtype)
     cache.seen_tokens = context
     return cache
 

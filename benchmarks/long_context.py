@@ -3,8 +3,8 @@
     python benchmarks/long_context.py [--json] [--tokens 1048576] [--chunk 256] [--decode-tokens 8]
 
 The model has K3's layer pattern (KKKM: three KDA layers, one Gated MLA layer). Its cache after T tokens
-is predicted from the config by `k3.model.accounting.cache_bytes` (fp32 here): T x kv_lora_rank x 4 bytes
-per MLA layer plus a constant state per KDA layer. The script measures the real cache (`HybridCache.nbytes`)
+is predicted from the config by `k3.model.accounting.cache_bytes` (fp32 here): T x (kv_lora_rank +
+qk_rope_head_dim) x 4 bytes per MLA layer plus a constant state per KDA layer. The script measures the real cache (`HybridCache.nbytes`)
 and the process RSS (/proc/self/statm, after glibc's malloc_trim so that free heap blocks the allocator
 keeps do not count) after each 1/32 of the prefill, so the JSON shows whether resident
 memory grows by the latent cache and nothing else: `rss_growth_over_cache` and the slope
@@ -204,7 +204,7 @@ def run(preset: str = "long", tokens: int = 1_048_576, chunk: int = 256, decode_
         "rss_growth_over_cache": growth / last["cache_bytes"],
         "rss_residual_bytes_max_abs": max(abs(r) for r in residual),
         "rss_bytes_per_token": _slope(xs, [r["rss_bytes"] for r in rows]) if len(rows) > 2 else None,
-        "predicted_bytes_per_token": config.n_mla_layers * config.mla_kv_lora_rank * 4,
+        "predicted_bytes_per_token": config.n_mla_layers * config.mla_cache_dim * 4,
         "peak_rss_bytes": after_peak,
         "peak_rss_gib": after_peak / 2**30,
         "peak_over_base_bytes": after_peak - base_rss,
@@ -214,7 +214,7 @@ def run(preset: str = "long", tokens: int = 1_048_576, chunk: int = 256, decode_
             "rss_growth_over_cache": "(RSS after prefill - RSS before) / measured cache bytes; 1.0 = memory grew "
                                      "by the cache and nothing else",
             "rss_bytes_per_token": "least-squares slope of RSS over the prefill samples; compare "
-                                   "predicted_bytes_per_token = n_mla_layers x kv_lora_rank x 4",
+                                   "predicted_bytes_per_token = n_mla_layers x (kv_lora_rank + qk_rope_head_dim) x 4",
             "peak_rss_bytes": "getrusage ru_maxrss: the steady state plus one chunk's transient attention work",
         },
         "machine": machine(),

@@ -198,6 +198,22 @@ HEADLINES = {
         ("settings.harsh_head.recovery", "QAT-KD (W=0.5) recovery against fp32, every linear W4A8", ">= 0.8"),
         ("settings.harsh_head.recovery_vs_kd_control", "same, against the distillation control", ""),
     ],
+    "forms": [
+        ("released.val_bpb.mean", "mini, released forms (bounded full-rank-gated KDA, shared MLA key, SiTU, latent "
+                                  "norm): validation bits/byte after 150 steps (3 seeds)", ""),
+        ("earlier.val_bpb.mean", "same, k3's earlier forms (Kimi-Linear gates, no shared key, SwiGLU, no latent norm)",
+         ""),
+        ("released_minus_earlier.val_bpb.mean", "released - earlier, paired by seed (bits/byte)", ""),
+        ("released_minus_earlier.val_bpb.sem", "standard error of that difference", ""),
+        ("released.cost_no_routed.mean", "released forms: validation loss cost of zeroing every routed path (nats)", ""),
+        ("earlier.cost_no_routed.mean", "earlier forms: the same cost (nats)", ""),
+        ("released.min_log_decay.mean", "released forms: most negative per-token KDA log-decay of the trained gates", ""),
+        ("earlier.min_log_decay.mean", "earlier forms: the same", ""),
+        ("released.kda_share.mean", "released forms: KDA op fwd+bwd / whole training step", ""),
+        ("earlier.kda_share.mean", "earlier forms: the same", ""),
+        ("released.tokens_per_s.mean", "released forms: training tokens/s (1 thread)", ""),
+        ("earlier.tokens_per_s.mean", "earlier forms: training tokens/s (1 thread)", ""),
+    ],
     "moe_contrib": [
         ("val_loss.mean", "mini-s, 200 steps: val loss (seed mean)", ""),
         ("cost_no_routed.mean", "mini-s, 200 steps: val loss without the routed experts - with them (nats, seed mean)", ""),
@@ -245,11 +261,16 @@ HEADLINES = {
         ("methods.bias.load_max_over_mean", "same, aux-loss-free bias, gamma 1e-3 (DeepSeek-V3's; a bias moves at "
                                             "most 0.2 in 200 steps)", ""),
         ("methods.bias@1e-2.load_max_over_mean", "same, aux-loss-free bias, gamma 1e-2", ""),
-        ("methods.quantile.load_max_over_mean", "same, Quantile Balancing (no step size)", ""),
+        ("methods.quantile.load_max_over_mean", "same, Quantile Balancing as released (histogram, 1000 bins over "
+                                                "[min b - 1, max b + 1]; no step size)", ""),
+        ("methods.quantile@100.load_max_over_mean", "same, Quantile Balancing, histogram of 100 bins", ""),
+        ("methods.quantile_exact.load_max_over_mean", "same, Quantile Balancing, exact quantile by sorting (k3's "
+                                                      "earlier form)", ""),
         ("methods.none.final_loss", "final train loss (mean of the last 20 steps), no balancing (nats)", ""),
         ("methods.aux_loss@1e-2.final_loss", "same, aux loss 1e-2", ""),
         ("methods.bias@1e-2.final_loss", "same, bias gamma 1e-2", ""),
-        ("methods.quantile.final_loss", "same, Quantile Balancing", ""),
+        ("methods.quantile.final_loss", "same, Quantile Balancing (histogram, 1000 bins)", ""),
+        ("methods.quantile_exact.final_loss", "same, Quantile Balancing (exact)", ""),
     ],
     "sandbox": [
         ("overhead_ms_per_episode", "sandbox overhead per verified episode vs plain subprocess (ms)", "<= 50"),

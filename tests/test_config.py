@@ -33,8 +33,19 @@ BAD = [
     (dict(attnres_sources=0), "attnres_sources", ">= 2"),  # not ">= 1", which 1 then fails
     (dict(attnres_sources=0, attnres="none"), "attnres_sources", ">= 2"),
     (dict(attnres_sources=4), "attnres_sources", "attnres_sources = 3"),
-    (dict(kda_heads=3), "kda_heads", "dividing d_model"),
-    (dict(mla_heads=5), "mla_heads", "dividing d_model"),
+    # forms that cannot go together, or values no form has
+    (dict(gate_lower_bound=0.0), "gate_lower_bound", "null"),
+    (dict(gate_lower_bound=2.5), "gate_lower_bound", "-5.0"),
+    (dict(gate_lower_bound=float("-inf")), "gate_lower_bound", "finite"),
+    (dict(gate_lower_bound="low"), "gate_lower_bound", "a number or null"),
+    (dict(situ_beta=0.0), "situ_beta", "> 0"),
+    (dict(situ_linear_beta=-25.0), "situ_linear_beta", "> 0"),
+    (dict(hidden_act="gelu"), "hidden_act", "situ"),
+    (dict(qk_rope_head_dim=-1), "qk_rope_head_dim", ">= 0"),
+    (dict(kda_gate_bias=True), "kda_gate_bias", "use_full_rank_gate"),
+    (dict(quantile_estimator="guess"), "quantile_estimator", "histogram"),
+    (dict(quantile_bins=1), "quantile_bins", "1000"),
+    (dict(attn_res_block_size=1), "attnres_sources", "attnres_sources = 5"),
     (dict(max_context=0), "max_context", "positive"),
     (dict(max_context=-5), "max_context", "positive"),
     (dict(d_model=0), "d_model", "positive"),
@@ -92,6 +103,37 @@ def test_saved_config_without_kda_norm_eps_keeps_the_eps_it_was_trained_with():
     assert get_config("tiny").kda_norm_eps == K3Config().kda_norm_eps == 1e-4
     assert get_config("tiny", norm_eps=1e-5).kda_norm_eps == 1e-4  # a partial dict is not a saved config
     assert K3Config.from_dict({**saved, "kda_norm_eps": 3e-5}).kda_norm_eps == 3e-5
+
+
+def test_k3_preset_is_the_released_text_config():
+    """Every value of moonshotai/Kimi-K3's text_config that k3 expresses (docs/architecture.md has the sources)."""
+    c = get_config("k3")
+    assert (c.vocab_size, c.d_model, c.n_layers, c.max_context, c.norm_eps) == (163840, 7168, 93, 1048576, 1e-5)
+    assert (c.kda_heads, c.kda_head_dim, c.kda_conv_size, c.gate_lower_bound, c.use_full_rank_gate) == (96, 128, 4, -5.0, True)
+    assert (c.mla_heads, c.mla_q_lora_rank, c.mla_kv_lora_rank, c.mla_qk_head_dim, c.qk_rope_head_dim,
+            c.mla_v_head_dim, c.mla_use_output_gate) == (96, 1536, 512, 128, 64, 128, True)
+    assert (c.hidden_act, c.situ_beta, c.situ_linear_beta) == ("situ", 4.0, 25.0)
+    assert (c.n_dense_layers, c.dense_ffn, c.moe_latent_dim, c.latent_moe_use_norm) == (1, 33792, 3584, True)
+    assert (c.n_experts, c.n_active_experts, c.expert_ffn, c.n_shared_experts, c.routed_scale) == (896, 16, 3072, 2, 1.0)
+    assert (c.attn_res_block_size, c.attnres_sources, c.init_std, c.tie_embeddings) == (12, 9, 0.02, False)
+    mla = [i + 1 for i, k in enumerate(c.pattern) if k == "M"]  # 1-indexed, as full_attn_layers lists them
+    assert mla == list(range(4, 93, 4)) + [93] and len(mla) == 24
+
+
+def test_published_head_counts_need_not_divide_d_model():
+    # 96 heads of 128 do not tile 7168 (= 56 x 128); head_dim is its own field
+    assert get_config("tiny", kda_heads=3, mla_heads=5).kda_heads == 3
+
+
+def test_saved_config_without_the_release_fields_keeps_its_earlier_forms():
+    saved = get_config("tiny").to_dict()
+    for k in ("gate_lower_bound", "use_full_rank_gate", "kda_gate_bias", "qk_rope_head_dim", "hidden_act",
+              "latent_moe_use_norm", "quantile_estimator", "mla_use_output_gate"):
+        del saved[k]
+    old = K3Config.from_dict(saved)
+    assert (old.gate_lower_bound, old.use_full_rank_gate, old.kda_gate_bias, old.qk_rope_head_dim, old.hidden_act,
+            old.latent_moe_use_norm, old.quantile_estimator) == (None, False, True, 0, "silu", False, "exact")
+    assert get_config("tiny").gate_lower_bound == -5.0  # a preset names the released forms
 
 
 def test_kda_output_norm_uses_kda_norm_eps():

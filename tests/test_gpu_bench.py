@@ -18,7 +18,10 @@ def test_dry_run_on_cpu_checks_kda_and_moe(gpu_bench, tmp_path):
     assert kda["o_rel_err"] < 1e-5 and kda["state_rel_err"] < 1e-5 and max(kda["grad_rel_err"].values()) < 1e-5
     moe = res["moe_check"]
     assert "error" not in moe, moe
-    assert moe["grouped_bf16_rel_err_vs_fp32_loop"] < 0.02
+    # bf16's own error on the routed path (about 4 % here: K3's latent norm brings the routed path, tiny at init, up
+    # to the size of the rest, so its rounding shows); the grouped kernel must add nothing to the loop's
+    assert moe["grouped_bf16_rel_err_vs_fp32_loop"] < 0.1
+    assert moe["grouped_bf16_rel_err_vs_fp32_loop"] <= 1.1 * moe["loop_bf16_rel_err_vs_fp32_loop"]
     assert max(moe["grouped_bf16_grad_rel_err_vs_bf16_loop"].values()) < 0.01
 
 

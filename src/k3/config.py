@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 
 # the Python type each annotation names (annotations are strings here); an int is accepted as a float
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "bool": bool, "str": str,
-                                                    "dict": dict}
+                                                    "dict": dict, "float | None": (int, float, type(None))}
 
 
 class K3ConfigError(ValueError):
@@ -55,25 +55,47 @@ class K3Config:
     kda_heads: int = 2
     kda_head_dim: int = 32
     kda_conv_size: int = 4
-    kda_gate_rank: int = 32  # rank of the low-rank per-channel forget-gate and output-gate projections
+    kda_gate_rank: int = 32  # rank of the low-rank forget gate (f_a/f_b) and of the low-rank output gate
+    # K3's bounded forget gate: log-decay g = gate_lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), in
+    # (gate_lower_bound, 0). None: Kimi-Linear's unbounded g = -exp(A_log) * softplus(f + dt_bias).
+    gate_lower_bound: float | None = -5.0
+    # K3's full-rank output gate (one g_proj d -> H*K); false: Kimi-Linear's low-rank g_a/g_b of kda_gate_rank.
+    use_full_rank_gate: bool = True
+    kda_gate_bias: bool = False  # a bias on the low-rank output gate's up-projection (k3's earlier form)
 
     # Gated MLA: low-rank q (0 = full-rank q) and kv compression, NoPE, sigmoid output gate.
     mla_heads: int = 2
     mla_q_lora_rank: int = 32
     mla_kv_lora_rank: int = 32
-    mla_qk_head_dim: int = 32
+    mla_qk_head_dim: int = 32  # the release's qk_nope_head_dim: the per-head query/key dims from the latent
     mla_v_head_dim: int = 32
+    # The release's qk_rope_head_dim: a key slice of this width that kv_a_proj_with_mqa emits beside the latent,
+    # shared by all heads and cached with it; the layers are NoPE, so it is never rotated. 0: no shared key.
+    qk_rope_head_dim: int = 16
+    # The release's mla_use_output_gate: o = attention * sigmoid(g_proj x) before o_proj (K3); Kimi-Linear has none.
+    mla_use_output_gate: bool = True
 
     # Depth mixing: Block Attention Residuals. `attnres_sources` counts the embedding plus one source per
     # block, so the layers are grouped into `attnres_sources - 1` blocks of ceil(n_layers / blocks) layers.
     attnres: str = "block"  # block | full | none
     attnres_sources: int = 3
+    # The release's attn_res_block_size: layers per block. 0 derives it from attnres_sources; when set,
+    # attnres_sources must be ceil(n_layers / attn_res_block_size) + 1 (validate() names the value).
+    attn_res_block_size: int = 0
 
-    # Channel mixing: the first `n_dense_layers` layers use a dense SwiGLU MLP, the rest (Latent)MoE.
+    # Channel mixing: the first `n_dense_layers` layers use a dense GLU MLP, the rest (Latent)MoE.
+    # hidden_act: the GLU of every MLP and expert. "situ" (K3): beta*tanh(g/beta)*sigmoid(g) * lbeta*tanh(u/lbeta)
+    # with beta = situ_beta, lbeta = situ_linear_beta; "silu": SwiGLU, silu(g) * u.
+    hidden_act: str = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
     n_dense_layers: int = 1
     dense_ffn: int = 128
     moe: str = "latent"  # latent | standard
     moe_latent_dim: int = 32  # the latent width l; LatentMoE dispatches l-dim vectors (standard: d_model)
+    # K3's "Stable" LatentMoE: an RMSNorm (routed_expert_norm) on the combined latent before the up-projection
+    # (read by moe = latent only; a standard MoE has no latent to normalise)
+    latent_moe_use_norm: bool = True
     n_experts: int = 8
     n_active_experts: int = 2
     expert_ffn: int = 64
@@ -84,6 +106,11 @@ class K3Config:
     balancing: str = "bias"  # none | aux_loss | bias | quantile
     bias_update_rate: float = 1e-3  # DeepSeek-V3's gamma for the auxiliary-loss-free bias
     aux_loss_coef: float = 1e-4  # DeepSeek-V3's sequence-wise balance loss alpha (used by aux_loss)
+    # Quantile balancing's estimator of b_j = quantile(alpha_i - s_ij, k/E): "histogram" (as released in
+    # Megatron-LM: `quantile_bins` bins over [min b - 1, max b + 1], summed over ranks), or "exact" (sorting,
+    # one process; k3's earlier form, histograms over a fixed range when distributed).
+    quantile_estimator: str = "histogram"
+    quantile_bins: int = 1000
 
     norm_eps: float = 1e-6
     # eps of KDA's gated output RMSNorm. At initialisation the KDA output is tiny (per-head RMS about 5e-4 on
@@ -120,8 +147,13 @@ class K3Config:
 
     @property
     def attnres_block_size(self) -> int:
-        """Layers per AttnRes block (the last block may be shorter)."""
-        return math.ceil(self.n_layers / self.attnres_blocks)
+        """Layers per AttnRes block (the last block may be shorter): attn_res_block_size when set."""
+        return self.attn_res_block_size or math.ceil(self.n_layers / self.attnres_blocks)
+
+    @property
+    def mla_cache_dim(self) -> int:
+        """Values an MLA layer caches per token: the latent plus the shared key (576 in K3)."""
+        return self.mla_kv_lora_rank + self.qk_rope_head_dim
 
     @property
     def latent_dim(self) -> int:
@@ -143,7 +175,8 @@ class K3Config:
             if not ok:
                 kind, example = {"int": ("an integer", "4"), "float": ("a number", "0.5"), "bool": ("true or false", "true"),
                                  "str": ("a string", f.default or "KKKM"),
-                                 "dict": ("a JSON object", '\'{"expert_weights": "mxfp4"}\'')}[f.type]
+                                 "dict": ("a JSON object", '\'{"expert_weights": "mxfp4"}\''),
+                                 "float | None": ("a number or null", "-5.0")}[f.type]
                 bad(f.name, f"is of type {type(v).__name__}, but must be {kind}",
                     f"give {kind}, e.g. --set {f.name}={example} (values are read as JSON)")
         if not self.name.strip():
@@ -168,10 +201,11 @@ class K3Config:
             if n >= 2 ** 62:
                 bad(what.split(" x ")[0], f"makes a tensor of {what} = {n} elements, more than torch can index",
                     "lower these sizes")
-        for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers"]:
+        for name in ["mla_q_lora_rank", "n_shared_experts", "n_dense_layers", "qk_rope_head_dim",
+                     "attn_res_block_size"]:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")
-        for name in ["routed_scale", "norm_eps", "kda_norm_eps", "init_std"]:
+        for name in ["routed_scale", "norm_eps", "kda_norm_eps", "init_std", "situ_beta", "situ_linear_beta"]:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 bad(name, "must be a finite number > 0", f"set {name} to a finite value > 0")
@@ -179,6 +213,19 @@ class K3Config:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 bad(name, "must be a finite number >= 0", f"set {name} to 0 to disable it")
+        lb = self.gate_lower_bound
+        if lb is not None and not (lb < 0 and math.isfinite(lb)):
+            bad("gate_lower_bound", "must be a finite number < 0 (the log-decay lies in (gate_lower_bound, 0))",
+                "use K3's -5.0, or null for Kimi-Linear's unbounded softplus gate")
+        if self.kda_gate_bias and self.use_full_rank_gate:
+            bad("kda_gate_bias", "is true, but only the low-rank output gate has a bias (use_full_rank_gate is true)",
+                "set kda_gate_bias = false, or use_full_rank_gate = false")
+        if self.hidden_act not in ("situ", "silu"):
+            bad("hidden_act", "is not one of situ, silu", "pick hidden_act = situ (K3) | silu (SwiGLU)")
+        if self.quantile_estimator not in ("histogram", "exact"):
+            bad("quantile_estimator", "is not one of histogram, exact", "pick quantile_estimator = histogram | exact")
+        if self.quantile_bins < 2:
+            bad("quantile_bins", "must be an integer >= 2", "use the release's 1000")
         if self.n_shared_experts > 0 and self.shared_ffn <= 0:
             bad("shared_ffn", "must be positive when n_shared_experts > 0", "set shared_ffn or n_shared_experts = 0")
         if self.layer_pattern:
@@ -196,7 +243,13 @@ class K3Config:
         if self.attnres == "block" and self.attnres_sources > self.n_layers + 1:  # only block mode reads it
             bad("attnres_sources", f"exceeds n_layers + 1 = {self.n_layers + 1} (embedding + one block per layer)",
                 "use fewer sources, or attnres = full for one source per sublayer")
-        if self.attnres == "block" and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
+        if self.attnres == "block" and self.attn_res_block_size > 0:
+            real = math.ceil(self.n_layers / self.attn_res_block_size)
+            if real != self.attnres_blocks:
+                bad("attnres_sources", f"asks for {self.attnres_blocks} blocks, but attn_res_block_size = "
+                    f"{self.attn_res_block_size} tiles n_layers = {self.n_layers} into {real}",
+                    f"use attnres_sources = {real + 1} (the blocks plus the embedding), or attn_res_block_size = 0")
+        elif self.attnres == "block" and math.ceil(self.n_layers / self.attnres_block_size) != self.attnres_blocks:
             real = math.ceil(self.n_layers / self.attnres_block_size)
             bad("attnres_sources", f"asks for {self.attnres_blocks} blocks, but blocks of ceil({self.n_layers}/"
                 f"{self.attnres_blocks}) = {self.attnres_block_size} layers give only {real}",
@@ -216,10 +269,6 @@ class K3Config:
             bad("balancing", "is not one of none, aux_loss, bias, quantile", "pick one of those")
         if self.router_score != "sigmoid":
             bad("router_score", "is not supported", "use router_score = 'sigmoid'")
-        if self.d_model % self.kda_heads != 0:
-            bad("kda_heads", f"must divide d_model = {self.d_model}", "pick a head count dividing d_model")
-        if self.d_model % self.mla_heads != 0:
-            bad("mla_heads", f"must divide d_model = {self.d_model}", "pick a head count dividing d_model")
         for k, v in self.qat.items():
             if k not in ("expert_weights", "activations", "linears"):
                 raise K3ConfigError(f"{self.name}: qat key {k!r} is unknown; use expert_weights, activations or linears")
@@ -242,10 +291,11 @@ class K3Config:
         unknown = sorted(set(d) - known)
         if unknown:
             raise K3ConfigError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
-        if "kda_norm_eps" not in d and known - {"kda_norm_eps"} <= set(d):
-            # a complete config saved before kda_norm_eps existed (checkpoints, exports): KDA's output norm
-            # used norm_eps then, so keep it and the saved model computes what it computed
-            d = {**d, "kda_norm_eps": d["norm_eps"]}
+        if is_complete_config(d):
+            # a complete config saved before a field existed (checkpoints, exports) gets what the model computed
+            # then: KDA's output norm used norm_eps, and the layer forms were k3's earlier (pre-release) ones
+            legacy = {**LEGACY_FORMS, "kda_norm_eps": d.get("norm_eps")}
+            d = {**{k: v for k, v in legacy.items() if k not in d}, **d}
         return cls(**d).validate()
 
     def replace(self, **changes) -> "K3Config":
@@ -275,21 +325,32 @@ def read_config_file(path, flag: str = "--config") -> dict:
     return d
 
 
+# What a config saved before these fields existed computed: Kimi-Linear's KDA gates, MLA without the shared key,
+# SwiGLU, LatentMoE without the norm, quantile balancing by sorting. Presets name the released forms.
+LEGACY_FORMS: dict = dict(gate_lower_bound=None, use_full_rank_gate=False, kda_gate_bias=True, qk_rope_head_dim=0,
+                          mla_use_output_gate=True, hidden_act="silu",
+                          latent_moe_use_norm=False, attn_res_block_size=0, situ_beta=4.0, situ_linear_beta=25.0,
+                          quantile_estimator="exact", quantile_bins=2048)
+
+
 def is_complete_config(d: dict) -> bool:
-    """Whether a config dict names every field (kda_norm_eps aside: from_dict fills it in for configs saved before
-    it existed). A complete one stands alone; a partial one is laid over something (a preset, a checkpoint's)."""
-    return set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} <= set(d)
+    """Whether a config dict names every field (those added later aside: from_dict fills them in for configs saved
+    before they existed). A complete one stands alone; a partial one is laid over something (a preset, a
+    checkpoint's)."""
+    return set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} - set(LEGACY_FORMS) <= set(d)
 
 
 # ---------------------------------------------------------------------- presets
 PRESETS: dict[str, dict] = {
-    # tests: well under 2M parameters, every feature on (KDA + MLA, block AttnRes, LatentMoE, shared expert)
+    # tests: well under 2M parameters, every feature on (KDA + MLA, block AttnRes, LatentMoE, shared expert),
+    # the released forms by default (the dataclass defaults)
     "tiny": dict(name="tiny"),
-    # the demo model: trains on 2 CPU cores
+    # the demo model: trains on 2 CPU cores; K3's forms, K3's ratios where they fit (rope/nope 1/2, latent d/2)
     "mini": dict(
         name="mini", vocab_size=8192, d_model=256, n_layers=8, max_context=4096,
         kda_heads=4, kda_head_dim=64, kda_gate_rank=64,
         mla_heads=4, mla_q_lora_rank=128, mla_kv_lora_rank=128, mla_qk_head_dim=64, mla_v_head_dim=64,
+        qk_rope_head_dim=32,
         attnres_sources=5,
         n_dense_layers=1, dense_ffn=768,
         moe_latent_dim=128, n_experts=64, n_active_experts=8, expert_ffn=256,
@@ -297,21 +358,41 @@ PRESETS: dict[str, dict] = {
     ),
     # long context on CPU: tiny widths with K3's 3:1 KDA:MLA pattern (KKKM). The one MLA layer's prefill is
     # quadratic (about T^2/2 query-key pairs), so it gets one head of 8 dims; a chunked 1,048,576-token
-    # prefill then takes on the order of an hour on one core, and its latent cache is 64 fp32 values a token.
+    # prefill then takes on the order of an hour on one core, and its cache is 64 + 8 fp32 values a token.
     "long": dict(
         name="long", n_layers=4, max_context=2_097_152,
-        mla_heads=1, mla_q_lora_rank=0, mla_kv_lora_rank=64, mla_qk_head_dim=8, mla_v_head_dim=8,
+        mla_heads=1, mla_q_lora_rank=0, mla_kv_lora_rank=64, mla_qk_head_dim=8, mla_v_head_dim=8, qk_rope_head_dim=8,
     ),
-    # the full model, for counting and planning on the meta device; see docs/architecture.md
+    # Kimi K3 as released: the text config of moonshotai/Kimi-K3 (docs/architecture.md gives each value's
+    # source and the release's key name). Built on the meta device for counting and planning.
     "k3": dict(
         name="k3", vocab_size=163840, d_model=7168, n_layers=93, max_context=1048576,
-        kda_heads=112, kda_head_dim=128, kda_gate_rank=128,
-        mla_heads=112, mla_q_lora_rank=2048, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
-        attnres_sources=9,
-        n_dense_layers=1, dense_ffn=18432,
-        moe_latent_dim=3584, n_experts=896, n_active_experts=16, expert_ffn=3072,
-        n_shared_experts=2, shared_ffn=3072, routed_scale=2.827,
-        init_std=0.006,
+        kda_heads=96, kda_head_dim=128, kda_gate_rank=128, kda_conv_size=4,
+        gate_lower_bound=-5.0, use_full_rank_gate=True,
+        mla_heads=96, mla_q_lora_rank=1536, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
+        qk_rope_head_dim=64, mla_use_output_gate=True,
+        attnres="block", attnres_sources=9, attn_res_block_size=12,
+        hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0,
+        n_dense_layers=1, dense_ffn=33792,
+        moe="latent", moe_latent_dim=3584, latent_moe_use_norm=True,
+        n_experts=896, n_active_experts=16, expert_ffn=3072,
+        n_shared_experts=2, shared_ffn=3072, routed_scale=1.0,
+        balancing="quantile", quantile_estimator="histogram", quantile_bins=1000,
+        norm_eps=1e-5, kda_norm_eps=1e-5, init_std=0.02, tie_embeddings=False,
+    ),
+    # Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; transformers' kimi_linear): plain
+    # residuals, a standard MoE, SwiGLU, the unbounded low-rank KDA gates.
+    "kimi-linear-48b": dict(
+        name="kimi-linear-48b", vocab_size=163840, d_model=2304, n_layers=27, max_context=1048576,
+        kda_heads=32, kda_head_dim=128, kda_gate_rank=128, kda_conv_size=4,
+        gate_lower_bound=None, use_full_rank_gate=False, kda_gate_bias=False,
+        mla_heads=32, mla_q_lora_rank=0, mla_kv_lora_rank=512, mla_qk_head_dim=128, mla_v_head_dim=128,
+        qk_rope_head_dim=64, mla_use_output_gate=False,
+        attnres="none", hidden_act="silu",
+        n_dense_layers=1, dense_ffn=9216,
+        moe="standard", latent_moe_use_norm=False, n_experts=256, n_active_experts=8, expert_ffn=1024,
+        n_shared_experts=1, shared_ffn=1024, routed_scale=2.446,
+        balancing="bias", norm_eps=1e-5, kda_norm_eps=1e-5, init_std=0.02, tie_embeddings=False,
     ),
 }
 

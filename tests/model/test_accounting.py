@@ -17,11 +17,22 @@ def k3_counts():
 
 def test_k3_matches_reported_totals(k3_counts):
     _, c = k3_counts
-    assert abs(c["total"] / 2.78e12 - 1) < 0.005, c["total"]
-    assert abs(c["active"] / 104.2e9 - 1) < 0.005, c["active"]
+    # the release's own figures: 2.78T total, 104.2B active, which leaves out the input embedding (a lookup, no
+    # matmul); the released config counts 2,779,484,393,568 and 105,363,935,328 with it
+    assert c["total"] == 2_779_484_393_568 and abs(c["total"] / 2.78e12 - 1) < 0.0005, c["total"]
+    emb = c["by_component"]["embedding"]["active"]
+    assert abs((c["active"] - emb) / 104.2e9 - 1) < 0.0005, c["active"]
     assert c["layers"] == {"total": 93, "kda": 69, "mla": 24}
     assert (c["d_model"], c["latent_dim"], c["experts"], c["active_experts"]) == (7168, 3584, 896, 16)
     assert c["attnres_sources"] == 9 and c["max_context"] == 1048576
+
+
+def test_kimi_linear_48b_matches_its_safetensors():
+    # moonshotai/Kimi-Linear-48B-A3B's safetensors hold 49,122,681,728 values: the parameters plus the routers'
+    # e_score_correction_bias (256 per MoE layer, 26 layers), a buffer here
+    c = count_params(build_meta(get_config("kimi-linear-48b")))
+    assert c["total"] + 26 * 256 == 49_122_681_728
+    assert c["layers"] == {"total": 27, "kda": 20, "mla": 7}
 
 
 def test_counts_come_from_the_modules(k3_counts):

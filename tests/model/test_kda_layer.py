@@ -25,10 +25,14 @@ def rel_err(a, ref):
     return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.fixture
-def layer():
+FORMS = {"k3": {}, "kimi-linear": dict(gate_lower_bound=None, use_full_rank_gate=False),
+         "k3-earlier": dict(gate_lower_bound=None, use_full_rank_gate=False, kda_gate_bias=True)}
+
+
+@pytest.fixture(params=list(FORMS))
+def layer(request):
     torch.manual_seed(0)
-    cfg = get_config("tiny", kda_heads=2, kda_head_dim=16, kda_gate_rank=8, d_model=32)
+    cfg = get_config("tiny", kda_heads=2, kda_head_dim=16, kda_gate_rank=8, d_model=32, **FORMS[request.param])
     m = KimiDeltaAttention(cfg, layer_idx=0)
     with torch.no_grad():                                   # livelier than the 0.02 init, so errors show
         for p in m.parameters():
@@ -47,10 +51,15 @@ def reference_forward(m: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
         outs.append(F.silu(y).transpose(1, 2).reshape(B, T, H, K))
     q, k, v = outs
     q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
-    g = fla_gate.naive_kda_gate(m.alpha_up(m.alpha_down(x)).view(B, T, H, K), m.A_log, m.dt_bias)
+    f = m.alpha_up(m.alpha_down(x)).view(B, T, H, K)
+    if m.config.gate_lower_bound is None:
+        g = fla_gate.naive_kda_gate(f, m.A_log, m.dt_bias)
+    else:
+        g = fla_gate.naive_kda_lowerbound_gate(f, m.A_log, m.dt_bias, lower_bound=m.config.gate_lower_bound)
     beta = m.beta_proj(x).sigmoid()
     o, _ = fla_naive.naive_recurrent_kda(q, k, v, g, beta)
-    o = F.rms_norm(o, (K,), m.norm_weight, eps=m.eps) * m.gate_up(m.gate_down(x)).view(B, T, H, K).sigmoid()
+    gate = m.g_proj(x) if m.config.use_full_rank_gate else m.gate_up(m.gate_down(x))
+    o = F.rms_norm(o, (K,), m.norm_weight, eps=m.eps) * gate.view(B, T, H, K).sigmoid()
     return m.o_proj(o.reshape(B, T, H * K))
 
 
@@ -111,17 +120,33 @@ def test_bad_inputs_name_the_expected_shape(layer):
         layer(torch.randn(1, 1, 32), cache=cache)                          # batch changed mid-stream
 
 
+def test_bounded_gate_lies_in_its_bounds_and_matches_fla():
+    torch.manual_seed(0)
+    m = KimiDeltaAttention(get_config("tiny", gate_lower_bound=-3.0))
+    x = 30 * torch.randn(2, 9, m.config.d_model)  # saturating inputs: the gate must stay inside (-3, 0]
+    g = m.forget_gate(x)
+    assert g.min() >= -3.0 and g.max() <= 0.0 and g.dtype == torch.float32
+    f = m.alpha_up(m.alpha_down(x)).view(2, 9, m.n_heads, m.head_dim)
+    ref = fla_gate.naive_kda_lowerbound_gate(f, m.A_log, m.dt_bias, lower_bound=-3.0)
+    assert torch.equal(g, ref) or rel_err(g, ref) < 1e-6
+    unbounded = KimiDeltaAttention(get_config("tiny", gate_lower_bound=None))
+    assert unbounded.forget_gate(x).min() < -3.0  # Kimi-Linear's softplus gate has no floor
+
+
 def test_init_and_meta_construction():
-    cfg = get_config("tiny")
+    cfg = get_config("tiny", gate_lower_bound=None, use_full_rank_gate=False)
     m = KimiDeltaAttention(cfg)
     A = m.A_log.exp()
     assert ((A >= 1) & (A <= 16)).all() and torch.equal(m.dt_bias, torch.zeros_like(m.dt_bias))
     assert abs(m.q_proj.weight.std().item() - cfg.init_std) < 0.2 * cfg.init_std
+    bounded = KimiDeltaAttention(get_config("tiny"))  # fla / glm5_next's init: A_log 0, dt = softplus(dt_bias)
+    dt = torch.nn.functional.softplus(bounded.dt_bias)
+    assert torch.equal(bounded.A_log, torch.zeros_like(bounded.A_log)) and dt.min() >= 1e-3 * 0.99 and dt.max() <= 0.1 * 1.01
     k3 = get_config("k3")
     with torch.device("meta"):
         big = KimiDeltaAttention(k3)
     H, K, d, r, W = k3.kda_heads, k3.kda_head_dim, k3.d_model, k3.kda_gate_rank, k3.kda_conv_size
-    qkv, conv, gates = 3 * d * H * K, 3 * H * K * W, 2 * (d * r + r * H * K) + H * K   # gate_up has a bias
+    qkv, conv, gates = 3 * d * H * K, 3 * H * K * W, (d * r + r * H * K) + d * H * K   # f_a, f_b; full-rank g_proj
     A_log, dt_bias, beta, norm, out = H, H * K, d * H, K, H * K * d
     expected = qkv + conv + gates + A_log + dt_bias + beta + norm + out
     assert sum(p.numel() for p in big.parameters()) == expected

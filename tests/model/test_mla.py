@@ -11,7 +11,8 @@ from k3.model.cache import MLACache
 from k3.model.mla import GatedMLA
 
 # unequal head dims and ranks so a mixed-up K / V / C split cannot pass by accident
-DIMS = dict(mla_heads=4, mla_qk_head_dim=16, mla_v_head_dim=24, mla_kv_lora_rank=20, mla_q_lora_rank=12)
+DIMS = dict(mla_heads=4, mla_qk_head_dim=16, mla_v_head_dim=24, mla_kv_lora_rank=20, mla_q_lora_rank=12,
+            qk_rope_head_dim=6)
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
@@ -30,19 +31,22 @@ def make(**overrides) -> GatedMLA:
 def reference(m: GatedMLA, x: torch.Tensor, gate: bool = True):
     """Token-by-token softmax attention over materialised k, v. Returns y and the logits [B, H, T, T] (-inf above the diagonal)."""
     B, T, _ = x.shape
-    H, K, V, C = m.n_heads, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+    H, K, V, C, R = m.n_heads, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank, m.rope_dim
     if m.q_lora_rank > 0:
         q = F.rms_norm(x @ m.wq_a.weight.T, (m.q_lora_rank,), m.q_norm.weight, m.q_norm.eps) @ m.wq_b.weight.T
     else:
         q = x @ m.wq.weight.T
-    q = q.view(B, T, H, K)
-    c = F.rms_norm(x @ m.wkv_a.weight.T, (C,), m.kv_norm.weight, m.kv_norm.eps)
+    q = q.view(B, T, H, K + R)
+    a = x @ m.wkv_a.weight.T
+    c = F.rms_norm(a[..., :C], (C,), m.kv_norm.weight, m.kv_norm.eps)
+    k_shared = a[..., C:]  # [B, T, R]: one unrotated key slice for every head
     kv = (c @ m.wkv_b.weight.T).view(B, T, H, K + V)
     k, v = kv[..., :K], kv[..., K:]
     logits = torch.full((B, H, T, T), float("-inf"))
     out = torch.zeros(B, T, H, V)
     for t in range(T):
-        s = torch.einsum("bhk,bshk->bhs", q[:, t], k[:, : t + 1]) / math.sqrt(K)
+        s = (torch.einsum("bhk,bshk->bhs", q[:, t, :, :K], k[:, : t + 1])
+             + torch.einsum("bhr,bsr->bhs", q[:, t, :, K:], k_shared[:, : t + 1])) / math.sqrt(K + R)
         logits[:, :, t, : t + 1] = s
         out[:, t] = torch.einsum("bhs,bshv->bhv", s.softmax(-1), v[:, : t + 1])
     o = out.reshape(B, T, H * V)
@@ -51,9 +55,10 @@ def reference(m: GatedMLA, x: torch.Tensor, gate: bool = True):
     return o @ m.wo.weight.T, logits
 
 
-@pytest.fixture(params=[12, 0], ids=["q_lora", "full_rank_q"])
+@pytest.fixture(params=[(12, 6), (0, 6), (12, 0)], ids=["q_lora", "full_rank_q", "no_shared_key"])
 def layer(request):
-    return make(mla_q_lora_rank=request.param)
+    q_lora, rope = request.param
+    return make(mla_q_lora_rank=q_lora, qk_rope_head_dim=rope)
 
 
 def test_naive_matches_loop_reference(layer):
@@ -159,16 +164,18 @@ def test_cache_holds_only_the_latent():
     x = torch.randn(B, T, 64)
     cache = MLACache()
     m(x, cache)
-    assert cache.latent.shape == (B, T, m.kv_lora_rank)
-    assert cache.nbytes() == B * T * m.kv_lora_rank * 4
-    torch.testing.assert_close(cache.latent, m.kv_norm(m.wkv_a(x)))
+    C, R = m.kv_lora_rank, m.rope_dim
+    assert R > 0 and cache.latent.shape == (B, T, C + R)  # the latent and the shared key, nothing per head
+    assert cache.nbytes() == B * T * (C + R) * 4
+    a = m.wkv_a(x)
+    torch.testing.assert_close(cache.latent, torch.cat([m.kv_norm(a[..., :C]), a[..., C:]], -1))
 
     # rows of different lengths merged into one batch: the padding mask is held too, and counted
     short = MLACache()
     m(x[:1, :4], short)
     merged = MLACache.merge([cache, short])
     assert merged.key_mask is not None and merged.key_mask.shape == (B + 1, T)
-    assert merged.nbytes() == (B + 1) * T * m.kv_lora_rank * 4 + (B + 1) * T * 1
+    assert merged.nbytes() == (B + 1) * T * (C + R) * 4 + (B + 1) * T * 1
 
 
 def test_gate_scales_output():
@@ -220,11 +227,13 @@ def test_max_logits_brute_force(layer, absorb):
 def reference_scores_unmasked(m, x):
     """All T x T scores, future keys included, to show that the causal mask changes the max."""
     B, T, _ = x.shape
-    H, K = m.n_heads, m.qk_head_dim
+    H, K, C, R = m.n_heads, m.qk_head_dim, m.kv_lora_rank, m.rope_dim
     q_in = m.q_norm(m.wq_a(x)) if m.q_lora_rank > 0 else x
-    q = m.q_proj(q_in).view(B, T, H, K)
-    k = m.wkv_b(m.kv_norm(m.wkv_a(x))).view(B, T, H, -1)[..., :K]
-    return torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(K)
+    q = m.q_proj(q_in).view(B, T, H, K + R)
+    a = m.wkv_a(x)
+    k = m.wkv_b(m.kv_norm(a[..., :C])).view(B, T, H, -1)[..., :K]
+    k = torch.cat([k, a[..., None, C:].expand(B, T, H, R)], -1)
+    return torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(K + R)
 
 
 def test_qk_clip_rescales_only_offending_heads(layer):
@@ -234,8 +243,9 @@ def test_qk_clip_rescales_only_offending_heads(layer):
         layer(x)
     before = layer.max_logits.clone()
     tau = float(before.median())  # clips about half the heads
-    K, V, H = layer.qk_head_dim, layer.v_head_dim, layer.n_heads
+    K, V, H, C = layer.qk_head_dim, layer.v_head_dim, layer.n_heads, layer.kv_lora_rank
     v_rows = layer.wkv_b.weight.view(H, K + V, -1)[:, K:].clone()
+    shared_key_rows = layer.wkv_a.weight[C:].clone()
     gamma = layer.qk_clip_(tau)
     with torch.no_grad():
         layer(x)
@@ -244,6 +254,7 @@ def test_qk_clip_rescales_only_offending_heads(layer):
     torch.testing.assert_close(gamma, torch.where(clipped, tau / before, torch.ones_like(before)))
     torch.testing.assert_close(layer.max_logits, torch.minimum(before, torch.tensor(tau)), **TOL)
     torch.testing.assert_close(layer.wkv_b.weight.view(H, K + V, -1)[:, K:], v_rows, atol=0, rtol=0)
+    torch.testing.assert_close(layer.wkv_a.weight[C:], shared_key_rows, atol=0, rtol=0)  # shared by every head
 
 
 def test_qk_clip_without_tracking_raises():
@@ -283,7 +294,8 @@ def test_full_preset_builds_on_meta():
     cfg = get_config("k3")
     with torch.device("meta"):
         m = GatedMLA(cfg)
-    d, H, K, V = cfg.d_model, cfg.mla_heads, cfg.mla_qk_head_dim, cfg.mla_v_head_dim
+    d, H, K, V, R = cfg.d_model, cfg.mla_heads, cfg.mla_qk_head_dim, cfg.mla_v_head_dim, cfg.qk_rope_head_dim
     qr, C = cfg.mla_q_lora_rank, cfg.mla_kv_lora_rank
-    want = d * qr + qr + qr * H * K + d * C + C + C * H * (K + V) + d * H * V + H * V * d
+    assert (H, qr, C, K, R, V) == (96, 1536, 512, 128, 64, 128) and cfg.mla_cache_dim == 576
+    want = d * qr + qr + qr * H * (K + R) + d * (C + R) + C + C * H * (K + V) + d * H * V + H * V * d
     assert sum(p.numel() for p in m.parameters()) == want

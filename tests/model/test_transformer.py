@@ -49,9 +49,9 @@ def test_cache_holds_constant_kda_state_and_growing_latent():
     assert len(kda) == 3 and len(mla) == 1
     kda_bytes = sum(s.nbytes() for s in kda)
     assert kda[0].state.shape == (1, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim)
-    # only the MLA latent grows: 5 more tokens x kv_lora_rank x 4 bytes
-    assert cache.nbytes() - n10 == 5 * cfg.mla_kv_lora_rank * 4
-    assert cache.nbytes() == kda_bytes + 15 * cfg.mla_kv_lora_rank * 4
+    # only the MLA cache grows: 5 more tokens x (kv_lora_rank + qk_rope_head_dim) x 4 bytes
+    assert cache.nbytes() - n10 == 5 * cfg.mla_cache_dim * 4
+    assert cache.nbytes() == kda_bytes + 15 * cfg.mla_cache_dim * 4
 
 
 def test_cache_nbytes_is_the_memory_it_holds():
@@ -193,7 +193,7 @@ def test_a_cache_of_another_model_batch_or_dtype_fails_before_any_slot_moves():
         c = other.new_cache()
         other(ids, c)
         before = _state(c)
-        with pytest.raises(ValueError, match=r"cache slot 3 \(MLACache.latent\) is \(2, 5, 16\).*need \(2, 5, 32\)"):
+        with pytest.raises(ValueError, match=r"cache slot 3 \(MLACache.latent\) is \(2, 5, 32\).*need \(2, 5, 48\)"):
             m(ids[:, :1], c)
         assert _same_state(before, _state(c)) and c.seen_tokens == 5
         mine = m.new_cache()

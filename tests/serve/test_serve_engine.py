@@ -249,7 +249,10 @@ def test_stop_sequences_cut_text_and_stream_never_shows_them(tiny_model, serve_t
     p = tok.encode("def main():\n    return")
     base = Engine(m, tok, eos_id=NO_EOS).generate([p], SamplingParams(max_tokens=40, temperature=0))[0]
     assert len(base.text) > 12
-    stop = base.text[8:12]
+    # a stop string of plain text: a random model also emits special tokens and partial UTF-8, which the stream
+    # shows whole or holds back, so a window through one of them is not what this test is about
+    i = next(i for i in range(8, len(base.text) - 4) if all(ch.isalnum() or ch == " " for ch in base.text[i:i + 4]))
+    stop = base.text[i:i + 4]
     first = base.text.find(stop)
     deltas = []
     eng = Engine(m, tok, eos_id=NO_EOS)

@@ -299,7 +299,7 @@ def test_mismatched_weights_or_tokenizer_fail_at_load_time(tok, tmp_path):
     src.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "mla_kv_lora_rank": 16}))
-    with pytest.raises(ValueError, match=r"do not match .*wkv_a.weight: stored \(32, 64\), config wants \(16, 64\)"):
+    with pytest.raises(ValueError, match=r"do not match .*wkv_a.weight: stored \(48, 64\), config wants \(32, 64\)"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layers": 8}))
     with pytest.raises(ValueError, match="missing .*model.attnres"):

@@ -22,11 +22,12 @@ def _bench(name: str):
 
 
 def predicted_bytes(cfg, tokens: int, batch: int = 1) -> int:
-    """fp32 cache from the config: MLA latent tokens x kv_lora_rank per MLA layer, plus per KDA layer the
-    recurrent state H x K x V (V = K) and the short-conv tail over q, k, v: 3HK x (conv_size - 1)."""
+    """fp32 cache from the config: per MLA layer tokens x (kv_lora_rank latent + qk_rope_head_dim shared key), plus
+    per KDA layer the recurrent state H x K x V (V = K) and the short-conv tail over q, k, v: 3HK x (conv_size - 1)."""
     H, K, W = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
     kda = H * K * K + 3 * H * K * (W - 1)
-    return 4 * batch * (cfg.n_mla_layers * tokens * cfg.mla_kv_lora_rank + cfg.n_kda_layers * kda)
+    per_token = cfg.mla_kv_lora_rank + cfg.qk_rope_head_dim
+    return 4 * batch * (cfg.n_mla_layers * tokens * per_token + cfg.n_kda_layers * kda)
 
 
 def test_long_preset_has_k3_layer_pattern_and_a_1m_context():
@@ -51,11 +52,12 @@ def test_chunked_prefill_cache_is_the_predicted_bytes_and_kda_state_is_constant(
         assert measured == cache_bytes(cfg, done, latent="fp32", conv="fp32", state="fp32")["total"]
         kda_bytes.add(sum(s.nbytes() for s in cache.slots if isinstance(s, KDACache)))
         latents = [s.latent for s in cache.slots if isinstance(s, MLACache)]
-        assert [tuple(t.shape) for t in latents] == [(1, done, cfg.mla_kv_lora_rank)] * cfg.n_mla_layers
+        assert [tuple(t.shape) for t in latents] == [(1, done, cfg.mla_kv_lora_rank + cfg.qk_rope_head_dim)] \
+            * cfg.n_mla_layers
     assert len(kda_bytes) == 1 and kda_bytes.pop() == predicted_bytes(cfg, 0)
     assert cache.seen_tokens == done
-    # the growth is exactly the latent cache: 4 bytes x kv_lora_rank per token per MLA layer
-    assert predicted_bytes(cfg, done) - predicted_bytes(cfg, 0) == 4 * done * cfg.mla_kv_lora_rank * cfg.n_mla_layers
+    # the growth is exactly the MLA cache: 4 bytes x (64 + 8) values per token per MLA layer
+    assert predicted_bytes(cfg, done) - predicted_bytes(cfg, 0) == 4 * done * (64 + 8) * cfg.n_mla_layers
 
 
 @pytest.mark.parametrize("preset", ["long", "tiny"])

@@ -19,12 +19,14 @@ class Holder(nn.Module):
 def test_qk_clip_rescales_exactly_the_head_rows_and_caps_at_tau(q_lora):
     torch.manual_seed(0)
     cfg = get_config("tiny", mla_heads=4, mla_q_lora_rank=q_lora)
-    H, K, V = cfg.mla_heads, cfg.mla_qk_head_dim, cfg.mla_v_head_dim
+    H, K, V, R = cfg.mla_heads, cfg.mla_qk_head_dim, cfg.mla_v_head_dim, cfg.qk_rope_head_dim
+    Q = K + R  # query rows per head: K against the head's own keys, then R against the shared key slice
+    assert R > 0
     model = Holder(cfg)
     mla = model.mla
     with torch.no_grad():  # blow up heads 0 and 2 (queries and keys), leave 1 and 3 small
         for h, f in ((0, 80.0), (2, 60.0)):
-            mla.q_proj.weight[h * K:(h + 1) * K] *= f
+            mla.q_proj.weight[h * Q:h * Q + K] *= f
             mla.wkv_b.weight[h * (K + V):h * (K + V) + K] *= f
     clip = QKClip(model, tau=100.0)
     assert mla_layers(model) == [mla] and mla.track_max_logits
@@ -44,12 +46,13 @@ def test_qk_clip_rescales_exactly_the_head_rows_and_caps_at_tau(q_lora):
     q_expect, kv_expect = q_before.clone(), kv_before.clone()
     for h in range(H):
         r = math.sqrt(float(gamma[h]))
-        q_expect[h * K:(h + 1) * K] *= r
+        q_expect[h * Q:h * Q + K] *= r
+        q_expect[h * Q + K:(h + 1) * Q] *= float(gamma[h])  # the shared key is not scaled: its query takes all
         kv_expect[h * (K + V):h * (K + V) + K] *= r  # key rows only; value rows untouched
     torch.testing.assert_close(mla.q_proj.weight, q_expect, rtol=1e-6, atol=0)
     torch.testing.assert_close(mla.wkv_b.weight, kv_expect, rtol=1e-6, atol=0)
     for h in (1, 3):  # heads under tau: bit-for-bit unchanged
-        assert torch.equal(mla.q_proj.weight[h * K:(h + 1) * K], q_before[h * K:(h + 1) * K])
+        assert torch.equal(mla.q_proj.weight[h * Q:(h + 1) * Q], q_before[h * Q:(h + 1) * Q])
     for h in range(H):
         assert torch.equal(mla.wkv_b.weight[h * (K + V) + K:(h + 1) * (K + V)],
                            kv_before[h * (K + V) + K:(h + 1) * (K + V)])

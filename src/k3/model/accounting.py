@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.moe import MoE, Router, SwiGLU
+from k3.model.moe import GatedMLP, MoE, Router
 from k3.model.transformer import K3Model
 
 COMPONENTS = (
@@ -47,9 +47,9 @@ def _moe_component(moe: MoE, name: str) -> str:
         return "moe_router"
     if child is getattr(moe, "experts", None):
         return "moe_routed"
-    if isinstance(child, (SwiGLU, nn.ModuleList)):
+    if isinstance(child, (GatedMLP, nn.ModuleList)):
         return "moe_shared"
-    if isinstance(child, nn.Linear):
+    if isinstance(child, (nn.Linear, nn.RMSNorm)):  # W_down, W_up and the latent norm between them
         return "moe_latent_proj"
     raise ValueError(f"cannot attribute MoE parameter {name!r} to a component")
 
@@ -244,7 +244,7 @@ def cache_bytes(model_or_config, context: int, batch: int = 1, latent: str = "bf
                 state: str = "fp32", layers=None) -> dict:
     """Bytes of the hybrid inference cache (k3.model.cache) after `context` tokens, for `batch` sequences.
 
-    Per MLA layer the latent c_kv [B, T, kv_lora_rank] in `latent`; per KDA layer the recurrent state
+    Per MLA layer the latent c_kv and the shared key [B, T, kv_lora_rank + qk_rope_head_dim] in `latent`; per KDA layer the recurrent state
     [B, H, K, V] in `state` (fp32 in every KDA kernel) and the short-conv tail [B, 3*H*K, conv_size - 1] in
     `conv` (the activation dtype). Only the MLA part grows with context. `layers`: a subset of layer indices.
     """
@@ -263,7 +263,7 @@ def cache_bytes(model_or_config, context: int, batch: int = 1, latent: str = "bf
             out["kda_state"] += batch * m.n_heads * m.head_dim * V * element_bytes(state)
             out["kda_conv"] += batch * m.conv_weight.shape[0] * (m.conv_size - 1) * element_bytes(conv)
         else:
-            out["mla_latent"] += batch * context * m.kv_lora_rank * element_bytes(latent)
+            out["mla_latent"] += batch * context * (m.kv_lora_rank + m.rope_dim) * element_bytes(latent)
     out["total"] = out["mla_latent"] + out["kda_state"] + out["kda_conv"]
     return out
 
@@ -349,11 +349,11 @@ def forward_flops(model_or_config, tokens: int, past: int = 0, batch: int = 1, a
             t["kda_state_read"] += 4 * m.n_heads * m.head_dim * V * n_tok
             t["kda_state_update"] += 2 * m.n_heads * m.head_dim * V * n_tok
         else:
-            H, K, V, C = m.n_heads, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
-            if absorb:
-                t["mla_attention"] += 4 * H * C * pairs
+            H, K, V, C, R = m.n_heads, m.qk_head_dim, m.v_head_dim, m.kv_lora_rank, m.rope_dim
+            if absorb:  # scores over C + R values, the weighted sum over C
+                t["mla_attention"] += 2 * H * (2 * C + R) * pairs
             else:
-                t["mla_attention"] += 2 * H * (K + V) * pairs
+                t["mla_attention"] += 2 * H * (K + R + V) * pairs
                 t["mla_latent_up_past"] += 2 * m.wkv_b.weight.numel() * batch * past
         if isinstance(block.ffn, MoE):
             t["moe_combine"] += 2 * block.ffn.router.top_k * block.ffn.dispatch_dim * n_tok

@@ -48,7 +48,7 @@ class KDACache:
 
 @dataclass
 class MLACache:
-    """latent: [B, T, kv_lora_rank] compressed KV; NoPE means no separate rotary key is kept.
+    """latent: [B, T, kv_lora_rank + qk_rope_head_dim]: the compressed KV and the shared (unrotated) key slice.
     key_mask: [B, T] bool, True = a real key, False = padding; None = every key is real."""
 
     latent: torch.Tensor | None = None
@@ -213,7 +213,7 @@ class HybridCache:
                 want = {"conv_state": (batch, 3 * H * K, W - 1), "state": (batch, H, K, K)}
             else:
                 S = slot.length
-                want = {"latent": (batch, S, config.mla_kv_lora_rank), "key_mask": (batch, S)}
+                want = {"latent": (batch, S, config.mla_cache_dim), "key_mask": (batch, S)}
             for name, shape in want.items():
                 t = getattr(slot, name)
                 if t is not None and not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape):

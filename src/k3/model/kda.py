@@ -1,9 +1,12 @@
 """Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692, Sec. 3 and Fig. 3).
 
 x -> q, k, v projections -> short causal depthwise conv + SiLU -> L2-normalised q, k (per head);
-per-channel forget gate alpha = exp(g), g = -exp(A_log) * softplus(W_alpha_up W_alpha_down x + dt_bias);
+per-channel forget gate alpha = exp(g) from f = W_alpha_up W_alpha_down x + dt_bias:
+    K3 (bounded, `gate_lower_bound` lb):  g = lb * sigmoid(exp(A_log) * f), in (lb, 0)
+    Kimi-Linear (gate_lower_bound None):  g = -exp(A_log) * softplus(f)
 write strength beta = sigmoid(W_beta x); the KDA recurrence (k3.ops.kda); per-head RMSNorm gated by
-sigmoid(W_gate_up W_gate_down x); output projection. The op never sees positions, so no RoPE.
+sigmoid(W_g x), full rank in K3 (`use_full_rank_gate`, the release's g_proj) or low rank (W_gate_up
+W_gate_down, Kimi-Linear's g_a/g_b); output projection. The op never sees positions, so no RoPE.
 """
 from __future__ import annotations
 
@@ -36,8 +39,12 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(H))                # per-head decay rate, log space
         self.dt_bias = nn.Parameter(torch.empty(H * K))          # per-channel gate bias
         self.beta_proj = nn.Linear(d, H, bias=False)
-        self.gate_down = nn.Linear(d, r, bias=False)             # low-rank output gate
-        self.gate_up = nn.Linear(r, H * K, bias=True)
+        self.lower_bound = config.gate_lower_bound
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(d, H * K, bias=False)        # full-rank output gate (K3)
+        else:
+            self.gate_down = nn.Linear(d, r, bias=False)         # low-rank output gate (Kimi-Linear)
+            self.gate_up = nn.Linear(r, H * K, bias=config.kda_gate_bias)
         self.norm_weight = nn.Parameter(torch.empty(K))          # RMSNorm weight, shared by the heads
         self.o_proj = nn.Linear(H * K, d, bias=False)
         for p in (self.A_log, self.dt_bias):
@@ -53,8 +60,14 @@ class KimiDeltaAttention(nn.Module):
                     nn.init.zeros_(m.bias)
         bound = 1.0 / math.sqrt(self.conv_size)                  # nn.Conv1d's default fan-in bound
         nn.init.uniform_(self.conv_weight, -bound, bound)
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())  # decay rates in [1, 16], as fla
-        nn.init.zeros_(self.dt_bias)
+        if self.lower_bound is None:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())  # decay rates in [1, 16], as fla
+            nn.init.zeros_(self.dt_bias)
+        else:  # the bounded gate's init in fla and transformers' glm5_next: A_log 0, dt_bias = softplus^-1(dt),
+            # dt log-uniform in [1e-3, 0.1], so g = lb * sigmoid(dt_bias) starts near 0 (long memory)
+            nn.init.zeros_(self.A_log)
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         nn.init.ones_(self.norm_weight)
 
     def _short_conv(self, x: torch.Tensor, cache: KDACache | None) -> torch.Tensor:
@@ -88,8 +101,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
-        f = self.alpha_up(self.alpha_down(x)).view(B, T, H, K) + self.dt_bias.view(H, K)
-        g = -at_least_fp32(self.A_log).exp().view(H, 1) * F.softplus(at_least_fp32(f))  # log alpha, <= 0
+        g = self.forget_gate(x)
         beta = torch.sigmoid(self.beta_proj(x))
         o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
                        output_final_state=cache is not None)
@@ -97,5 +109,19 @@ class KimiDeltaAttention(nn.Module):
             cache.state = state
         o = at_least_fp32(o)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
-        o = o.to(x.dtype) * torch.sigmoid(self.gate_up(self.gate_down(x))).view(B, T, H, K)
+        o = o.to(x.dtype) * torch.sigmoid(self.output_gate(x)).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] -> log-decay g [B, T, H, K] (fp32 or wider), <= 0."""
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        f = at_least_fp32(self.alpha_up(self.alpha_down(x)).view(B, T, H, K) + self.dt_bias.view(H, K))
+        rate = at_least_fp32(self.A_log).exp().view(H, 1)
+        if self.lower_bound is None:
+            return -rate * F.softplus(f)
+        return self.lower_bound * torch.sigmoid(rate * f)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] -> the output gate's pre-activation [B, T, H*K]."""
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.gate_up(self.gate_down(x))

@@ -5,7 +5,11 @@
   is cached. At decode the key up-projection W_UK is absorbed into the query and W_UV is applied after
   attending over latents, so k and v are never materialised.
 - NoPE (Kimi Linear, arXiv 2510.26692): the MLA layers carry no rotary embedding; position comes from
-  the KDA layers, so there is no decoupled rope key to cache either.
+  the KDA layers. The released Kimi-Linear and K3 keep DeepSeek's decoupled key slice all the same:
+  `kv_a_proj_with_mqa` emits the latent (kv_lora_rank) and a key k_s of qk_rope_head_dim values, shared by
+  every head and never rotated; each head's query has a matching slice q_s, so a logit is
+  q_nope . W_UK c_kv + q_s . k_s, scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim), and the cache holds
+  [c_kv, k_s] (512 + 64 = 576 values per token in K3).
 - Output gate (Gated Attention, arXiv 2505.06708, "G1"): o = SDPA(q, k, v) * sigmoid(W_g x), elementwise
   and query dependent, before the output projection W_O.
 - QK-Clip (Kimi K2, arXiv 2507.20534): with `track_max_logits` the layer records the per-head max logit
@@ -29,12 +33,14 @@ from k3.quant.fake import fake_quant
 class GatedMLA(nn.Module):
     """x [B, T, d_model] -> y [B, T, d_model]; `cache` is this layer's MLACache slot (latent only).
 
-    Weights, named after DeepSeek-V3 (H heads, K = qk_head_dim, V = v_head_dim, C = kv_lora_rank):
-      q:  wq [H*K, d]   or   wq_a [q_lora, d] -> q_norm -> wq_b [H*K, q_lora]
-      kv: wkv_a [C, d] -> kv_norm = c_kv (cached);  wkv_b [H*(K+V), C], per head K key rows (W_UK) then V value rows (W_UV)
-      gate: w_gate [H*V, d];  out: wo [d, H*V]
-    QK-Clip must rescale, for head h, rows h*K:(h+1)*K of `wq_b.weight` (or `wq.weight`) and rows
-    h*(K+V):h*(K+V)+K of `wkv_b.weight` (its key half); the value rows are left alone (see `qk_clip_`).
+    Weights, named after DeepSeek-V3 (H heads, K = qk_head_dim (nope), R = qk_rope_head_dim, V = v_head_dim,
+    C = kv_lora_rank):
+      q:  wq [H*(K+R), d]   or   wq_a [q_lora, d] -> q_norm -> wq_b [H*(K+R), q_lora]; per head K nope rows, R shared-key rows
+      kv: wkv_a [C+R, d] -> (kv_norm(first C) = c_kv, last R = k_s), both cached;
+          wkv_b [H*(K+V), C], per head K key rows (W_UK) then V value rows (W_UV)
+      gate: w_gate [H*V, d] (with mla_use_output_gate);  out: wo [d, H*V]
+    QK-Clip rescales, for head h, its query rows and its key rows of `wkv_b` (see `qk_clip_`); the value rows
+    and the shared key are left alone.
     """
 
     def __init__(self, config: K3Config, layer_idx: int = 0):
@@ -44,18 +50,19 @@ class GatedMLA(nn.Module):
         self.d_model, self.n_heads = config.d_model, config.mla_heads
         self.q_lora_rank, self.kv_lora_rank = config.mla_q_lora_rank, config.mla_kv_lora_rank
         self.qk_head_dim, self.v_head_dim = config.mla_qk_head_dim, config.mla_v_head_dim
-        self.softmax_scale = 1.0 / math.sqrt(self.qk_head_dim)
-        d, H, K, V, C = self.d_model, self.n_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank
+        self.rope_dim = config.qk_rope_head_dim
+        self.softmax_scale = 1.0 / math.sqrt(self.qk_head_dim + self.rope_dim)
+        d, H, K, V, C, R = self.d_model, self.n_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank, self.rope_dim
         if self.q_lora_rank > 0:
             self.wq_a = nn.Linear(d, self.q_lora_rank, bias=False)
             self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=config.norm_eps)
-            self.wq_b = nn.Linear(self.q_lora_rank, H * K, bias=False)
+            self.wq_b = nn.Linear(self.q_lora_rank, H * (K + R), bias=False)
         else:
-            self.wq = nn.Linear(d, H * K, bias=False)
-        self.wkv_a = nn.Linear(d, C, bias=False)
+            self.wq = nn.Linear(d, H * (K + R), bias=False)
+        self.wkv_a = nn.Linear(d, C + R, bias=False)
         self.kv_norm = nn.RMSNorm(C, eps=config.norm_eps)
         self.wkv_b = nn.Linear(C, H * (K + V), bias=False)  # no bias: absorption needs it linear
-        self.w_gate = nn.Linear(d, H * V, bias=False)
+        self.w_gate = nn.Linear(d, H * V, bias=False) if config.mla_use_output_gate else None
         self.wo = nn.Linear(H * V, d, bias=False)
         self.absorb: bool | None = None  # None: absorbed path exactly when decoding (cache given, T == 1)
         self.track_max_logits = False
@@ -74,8 +81,9 @@ class GatedMLA(nn.Module):
         self._check(x, cache)
         B, T, _ = x.shape
         q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
-        q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim)
-        c_kv = self.kv_norm(self.wkv_a(x))  # [B, T, C]
+        q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim + self.rope_dim)
+        c_kv, k_s = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = torch.cat([self.kv_norm(c_kv), k_s], dim=-1)  # [B, T, C + R]: what the cache holds
         P, key_mask = 0, None
         if cache is not None:
             if cache.latent is not None and cache.latent.dtype != c_kv.dtype:
@@ -88,14 +96,19 @@ class GatedMLA(nn.Module):
         if absorb is None:
             absorb = cache is not None and T == 1
         o = (self._absorbed if absorb else self._naive)(q, c_kv, P, key_mask)  # [B, T, H, V]
-        o = o.reshape(B, T, -1) * torch.sigmoid(self.w_gate(x))
+        o = o.reshape(B, T, -1)
+        if self.w_gate is not None:
+            o = o * torch.sigmoid(self.w_gate(x))
         return self.wo(o)
 
     def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Materialise k, v [B, S, H, *] from the latent and run SDPA; queries sit at positions P..P+T-1."""
-        B, T, H, K = q.shape
-        S = c_kv.shape[1]
+        B, T, H, _ = q.shape
+        K, R, S = self.qk_head_dim, self.rope_dim, c_kv.shape[1]
+        c_kv, k_s = c_kv.split([self.kv_lora_rank, R], dim=-1)
         k, v = self.wkv_b(c_kv).view(B, S, H, K + self.v_head_dim).split([K, self.v_head_dim], dim=-1)
+        if R:  # the shared key slice joins every head's key
+            k = torch.cat([k, k_s[:, :, None, :].expand(B, S, H, R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         causal = P == 0 and key_mask is None
         mask = None if causal else _visible(T, S, P, key_mask, q.device)
@@ -107,8 +120,10 @@ class GatedMLA(nn.Module):
     def _absorbed(self, q: torch.Tensor, c_kv: torch.Tensor, P: int,
                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend in latent space: q W_UK scores against c_kv directly, W_UV applied after the softmax."""
-        B, T, H, K = q.shape
-        S = c_kv.shape[1]
+        B, T, H, _ = q.shape
+        K, R, S = self.qk_head_dim, self.rope_dim, c_kv.shape[1]
+        q, q_s = q.split([K, R], dim=-1)
+        c_kv, k_s = c_kv.split([self.kv_lora_rank, R], dim=-1)
         w = self.wkv_b.weight
         if getattr(self.wkv_b, "weight_format", None) is not None:  # QAT on the linears: compute what the naive
             # path's QATLinear computes (weight and input fake-quantized)
@@ -117,7 +132,10 @@ class GatedMLA(nn.Module):
         w = w.view(H, K + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :K], w[:, K:]
         q_latent = torch.einsum("bthk,hkc->bthc", q, w_uk)
-        scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv) * self.softmax_scale
+        scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv)
+        if R:
+            scores = scores + torch.einsum("bthr,bsr->bhts", q_s, k_s)
+        scores = scores * self.softmax_scale
         if self.track_max_logits:
             self._track(scores, T, S, P, key_mask)
         scores = scores.masked_fill(~_visible(T, S, P, key_mask, q.device), float("-inf"))
@@ -132,17 +150,20 @@ class GatedMLA(nn.Module):
 
     @torch.no_grad()
     def qk_clip_(self, tau: float = 100.0) -> torch.Tensor:
-        """QK-Clip (Kimi K2): gamma_h = min(1, tau / S_max^h); scale head h's q rows and k rows by sqrt(gamma_h).
+        """QK-Clip (Kimi K2): gamma_h = min(1, tau / S_max^h), applied per head.
 
-        Uses `max_logits` from the last tracked forward; returns gamma [H]. NoPE means there is no shared
-        rotary key, so both halves of every head are per-head and take sqrt(gamma_h) each.
+        Uses `max_logits` from the last tracked forward; returns gamma [H]. The per-head halves (q_nope rows and
+        W_UK rows) take sqrt(gamma_h) each; the shared key k_s belongs to every head, so as in K2 it is left alone
+        and head h's q_s rows take the whole gamma_h.
         """
         if self.max_logits is None:
             raise ValueError("qk_clip_ needs max_logits; set track_max_logits = True and run a forward first")
-        H, K, V = self.n_heads, self.qk_head_dim, self.v_head_dim
+        H, K, V, R = self.n_heads, self.qk_head_dim, self.v_head_dim, self.rope_dim
         gamma = (tau / self.max_logits.clamp_min(1e-30)).clamp(max=1.0)
         s = gamma.sqrt().to(self.wkv_b.weight.dtype)
-        self.q_proj.weight.view(H, K, -1).mul_(s[:, None, None])
+        wq = self.q_proj.weight.view(H, K + R, -1)
+        wq[:, :K].mul_(s[:, None, None])
+        wq[:, K:].mul_(gamma.to(wq.dtype)[:, None, None])
         self.wkv_b.weight.view(H, K + V, -1)[:, :K].mul_(s[:, None, None])
         return gamma
 

@@ -1,4 +1,5 @@
-"""Channel mixing: SwiGLU, the sigmoid top-k router with load balancing, routed experts, (Latent)MoE.
+"""Channel mixing: gated MLPs (SiTU-GLU or SwiGLU, k3.ops.glu), the sigmoid top-k router with load balancing,
+routed experts, (Latent)MoE.
 
 - Router (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2): scores s = sigmoid(x W_r^T); the top-k experts are
   chosen on s + b, where the bias b steers *selection only*; the gating weights are the unbiased scores of
@@ -6,17 +7,20 @@
 - Balancing (docs/moe.md has the formulas and sources):
     'aux_loss'  DeepSeek-V3's sequence-wise balance loss, exposed as `router.aux_loss` for the trainer;
     'bias'      DeepSeek-V3's auxiliary-loss-free update b_i -= gamma * sign(load_i - mean load);
-    'quantile'  Quantile Balancing (Jianlin Su, kexue.fm/archives/11619): b_j is moved by the (1 - k/n)
-                quantile of expert j's column of margins (biased score minus the token's (k+1)-th biased
-                score), so that about k/n of the tokens would have picked j; no step size.
+    'quantile'  Quantile Balancing (Jianlin Su, kexue.fm/archives/11619; K3, as Megatron-LM PR #6637 ships it):
+                b_j = quantile(r_:j, k/E), r_ij = alpha_i - s_ij with alpha_i the token's (k+1)-th biased score,
+                so that about k/E of the tokens would have picked j; then b is mean-centred; no step size.
+                `quantile_estimator` 'histogram' (the release): `quantile_bins` bins over [min b - 1, max b + 1],
+                summed over ranks; 'exact' (k3's earlier form): by sorting in one process.
   'bias' and 'quantile' accumulate statistics over the forwards since the last `update_balancing()` (call it
   once per optimizer step) and apply them to the next batch.
 - LatentMoE (Elango et al., arXiv 2601.18089; Nemotron 3): routed experts work in a latent width l < d behind
   a shared W_down (before dispatch) and W_up (after combine); the router and the shared expert read the
-  full-width x, as in Megatron-Core's and TensorRT-LLM's Nemotron-H MoE.
+  full-width x, as in Megatron-Core's and TensorRT-LLM's Nemotron-H MoE. K3's "Stable" LatentMoE
+  (`latent_moe_use_norm`) puts an RMSNorm on the combined latent before W_up.
 - Routed experts are stacked parameters w1/w3 [E, dim, ffn], w2 [E, ffn, dim]. `RoutedExperts.impl` picks the
   compute path: 'naive' (per token and slot, the reference), 'loop' (per expert, gathering its tokens),
-  'grouped' (sort token-slots by expert once, then one grouped matmul per weight; see `grouped_swiglu`).
+  'grouped' (sort token-slots by expert once, then one grouped matmul per weight; see `grouped_glu`).
 - QAT (docs/quantization.md): with `config.qat`, the routed experts fake-quantize their weights along the
   reduction dim (`weight_format`) and the inputs of their GEMMs (`act_format`) in every compute path alike.
 """
@@ -32,17 +36,20 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.checks import check_dtype, check_tensor
 from k3.ops.amp import at_least_fp32, no_autocast
+from k3.ops.glu import glu_for, silu_glu
 from k3.quant.fake import fake_quant, qat_format
 
 IMPLS = ("naive", "loop", "grouped")
 GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm", "slices")
 
 
-class SwiGLU(nn.Module):
-    """x [..., d_in] -> [..., d_in]:  w2(silu(w1 x) * w3 x), w1 gate, w3 up [d_ff, d_in], w2 down [d_in, d_ff]."""
+class GatedMLP(nn.Module):
+    """x [..., d_in] -> [..., d_in]:  w2(glu(w1 x, w3 x)), w1 gate, w3 up [d_ff, d_in], w2 down [d_in, d_ff];
+    glu (k3.ops.glu) is SwiGLU's silu(g) * u unless given (K3: SiTU)."""
 
-    def __init__(self, d_in: int, d_ff: int, init_std: float = 0.02):
+    def __init__(self, d_in: int, d_ff: int, init_std: float = 0.02, glu=silu_glu):
         super().__init__()
+        self.glu = glu
         self.w1 = nn.Linear(d_in, d_ff, bias=False)
         self.w3 = nn.Linear(d_in, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_in, bias=False)
@@ -52,11 +59,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d_in = self.w1.weight.shape[1]
-        check_tensor("SwiGLU", x, f"[..., {d_in}]")
+        check_tensor("GatedMLP", x, f"[..., {d_in}]")
         if x.dim() == 0 or x.shape[-1] != d_in:
-            raise ValueError(f"SwiGLU expects x of shape [..., {d_in}], got {tuple(x.shape)}")
-        check_dtype("SwiGLU", x, f"[..., {d_in}]", like=self.w1.weight)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            raise ValueError(f"GatedMLP expects x of shape [..., {d_in}], got {tuple(x.shape)}")
+        check_dtype("GatedMLP", x, f"[..., {d_in}]", like=self.w1.weight)
+        return self.w2(self.glu(self.w1(x), self.w3(x)))
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -82,7 +89,12 @@ class Router(nn.Module):
         self._margins: list[torch.Tensor] = []  # quantile balancing: margin rows since the last update
         self.aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
-        self.quantile_bins = 2048  # histogram resolution for the distributed quantile (see _column_quantile)
+        self.quantile_estimator, self.quantile_bins = config.quantile_estimator, config.quantile_bins
+        if self.balancing == "quantile" and self.quantile_estimator == "histogram":
+            # counts of r_ij per expert and bin since the last update, and the range they are binned over: the
+            # release's [min b - 1, max b + 1] of the current bias (r = alpha - s always lies inside it)
+            self.register_buffer("_qb_hist", torch.zeros(self.n_experts, self.quantile_bins), persistent=False)
+            self.register_buffer("qb_bounds", torch.tensor([-1.0, 1.0]))
         # Public switch: False makes training forwards route without accumulating balancing statistics
         # (the recompute pass of activation checkpointing must not count its tokens twice).
         self.collect_stats = True
@@ -159,7 +171,13 @@ class Router(nn.Module):
         elif self.balancing == "quantile" and self.top_k < self.n_experts:
             # alpha_i: the token's (k+1)-th biased score. margin > 0 exactly for the k chosen experts.
             alpha = biased.topk(self.top_k + 1, dim=-1).values[:, -1:]
-            self._margins.append(biased - alpha)
+            if self.quantile_estimator == "histogram":
+                r = alpha - (biased - self.bias.float())  # alpha_i - s_ij: expert j is chosen iff r_ij < b_j
+                lo, hi = self.qb_bounds.float().unbind()  # tensors: no host sync per forward on an accelerator
+                idx = ((r - lo) * (self.quantile_bins / (hi - lo))).floor().clamp_(0, self.quantile_bins - 1).long()
+                self._qb_hist.scatter_add_(1, idx.t(), torch.ones_like(idx.t(), dtype=self._qb_hist.dtype))
+            else:
+                self._margins.append(biased - alpha)
 
     @torch.no_grad()
     def update_balancing(self) -> None:
@@ -167,6 +185,14 @@ class Router(nn.Module):
         if self.balancing == "bias" and self._load_acc.sum() > 0:
             load = _all_reduce_sum(self._load_acc.clone())
             self.bias -= self.bias_update_rate * torch.sign(load - load.mean()).to(self.bias.dtype)
+        elif self.balancing == "quantile" and self.quantile_estimator == "histogram":
+            hist = _all_reduce_sum(self._qb_hist.clone())
+            if hist.sum() > 0:
+                lo, hi = (float(v) for v in self.qb_bounds)
+                b = histogram_lower_quantile(hist, self.top_k / self.n_experts, lo, hi)
+                self.bias.copy_((b - b.mean()).to(self.bias.dtype))
+                self.qb_bounds.copy_(torch.stack([self.bias.min() - 1, self.bias.max() + 1]).to(self.qb_bounds.dtype))
+            self._qb_hist.zero_()
         elif self.balancing == "quantile" and self._margins:
             margins = torch.cat(self._margins)
             # c_j: the margin that exactly k/n of all tokens exceed in column j; shifting b_j by -c_j leaves
@@ -249,6 +275,22 @@ def _column_quantile(u: torch.Tensor, frac: float, bound: float, bins: int) -> t
     return 0.5 * (top[q - 1] + top[q])
 
 
+def histogram_lower_quantile(hist: torch.Tensor, frac: float, lo: float, hi: float) -> torch.Tensor:
+    """hist [E, bins]: counts of values binned evenly over [lo, hi] -> [E], per row the value below which a fraction
+    `frac` of its counts lie: the first bin whose cumulative count reaches max(ceil(frac * n), 1), entered by
+    linear interpolation within it (Megatron-LM's quantile balancing update, PR #6637)."""
+    E, bins = hist.shape
+    n = hist.sum(1)
+    target = frac * n
+    rank = torch.clamp(torch.ceil(target), min=1)
+    cum = hist.cumsum(1)
+    i = (cum < rank[:, None]).sum(1).clamp(max=bins - 1)  # the first bin whose cumulative count reaches rank
+    before = cum.gather(1, i[:, None])[:, 0] - hist.gather(1, i[:, None])[:, 0]
+    in_bin = hist.gather(1, i[:, None])[:, 0]
+    t = ((target - before) / in_bin.clamp(min=1)).clamp(0, 1)
+    return lo + (i.to(hist.dtype) + t) * ((hi - lo) / bins)
+
+
 def histogram_column_quantile(u: torch.Tensor, frac: float, bound: float, bins: int, all_reduce=None) -> torch.Tensor:
     """Histogram estimate of `_column_quantile` (the distributed path); `all_reduce(t)` sums t over ranks."""
     M, E = u.shape
@@ -272,13 +314,14 @@ def histogram_column_quantile(u: torch.Tensor, frac: float, bound: float, bins: 
 
 
 # ---------------------------------------------------------------------------------------------- experts
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   backend: str = "auto", act=None) -> torch.Tensor:
+def grouped_glu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                backend: str = "auto", act=None, glu=silu_glu) -> torch.Tensor:
     """x [S, dim] sorted by expert, counts [E] (sum S) -> [S, dim]; rows of expert e use w1[e], w3[e], w2[e].
 
     backends: 'grouped_mm' (torch._grouped_mm, one call per weight), 'bmm' (pad each expert to the largest
     count, batched matmul), 'slices' (a loop over experts on contiguous slices). 'auto' picks per device.
-    `act`, if given, maps the hidden h [..., ffn] before w2 row by row (QAT's activation fake-quant).
+    `act`, if given, maps the hidden h [..., ffn] before w2 row by row (QAT's activation fake-quant); `glu`
+    is the gated unit (gate, up) -> h (k3.ops.glu).
     """
     act = act or (lambda h: h)
     if backend == "auto":
@@ -291,14 +334,14 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
         # torch._grouped_mm wants one dtype; under autocast x arrives in bf16 while the weights are fp32
         w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+        h = glu(torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs))
         return torch._grouped_mm(act(h), w2, offs=offs)
     if backend == "bmm":
         E, C = counts.shape[0], int(counts.max()) if x.shape[0] else 0
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
         pos = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[expert]
         xp = x.new_zeros(E, C, x.shape[1]).index_put((expert, pos), x)  # [E, C, dim], zero rows pad
-        h = F.silu(torch.bmm(xp, w1)) * torch.bmm(xp, w3)
+        h = glu(torch.bmm(xp, w1), torch.bmm(xp, w3))
         return torch.bmm(act(h), w2)[expert, pos]
     if backend == "slices":
         # unbind, not w[e]: the backward of each w[e] select allocates and zero-fills a whole [E, ...]
@@ -307,7 +350,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
         outs, w1s, w3s, w2s = [], w1.unbind(0), w3.unbind(0), w2.unbind(0)
         for e, xe in enumerate(torch.split(x, counts.tolist())):
             if xe.shape[0]:
-                outs.append(act(F.silu(xe @ w1s[e]) * (xe @ w3s[e])) @ w2s[e])
+                outs.append(act(glu(xe @ w1s[e], xe @ w3s[e])) @ w2s[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
     raise ValueError(f"grouped backend {backend!r} is unknown; use one of {GROUPED_BACKENDS}")
 
@@ -361,7 +404,8 @@ def routed_experts_on_meta():
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts dim -> ffn -> dim as stacked weights; forward(x [N, dim], weights [N, k], experts [N, k])
+    """E gated-MLP experts dim -> ffn -> dim (`glu`: k3.ops.glu, SwiGLU unless given) as stacked weights;
+    forward(x [N, dim], weights [N, k], experts [N, k])
     -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, dim].
 
     QAT: `weight_format` fake-quantizes w1, w3, w2 along their reduction dim (dim, dim, ffn); `act_format`
@@ -370,9 +414,10 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, n_experts: int, dim: int, ffn: int, init_std: float = 0.02,
-                 weight_format: str | None = None, act_format: str | None = None):
+                 weight_format: str | None = None, act_format: str | None = None, glu=silu_glu):
         super().__init__()
         self.n_experts, self.dim, self.ffn = n_experts, dim, ffn
+        self.glu = glu
         self.weight_format, self.act_format = weight_format, act_format
         device = "meta" if _EXPERTS_ON_META.get() else None  # see routed_experts_on_meta
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn, device=device))  # gate
@@ -427,7 +472,7 @@ class RoutedExperts(nn.Module):
             y = x.new_zeros(self.dim)
             for j in range(experts.shape[1]):
                 e = int(experts[n, j])
-                h = self.quant_act(F.silu(x[n] @ w1[e]) * (x[n] @ w3[e]))
+                h = self.quant_act(self.glu(x[n] @ w1[e], x[n] @ w3[e]))
                 y = y + weights[n, j] * (h @ w2[e])
             rows.append(y)
         return torch.stack(rows) if rows else x.new_zeros(0, self.dim)
@@ -443,7 +488,7 @@ class RoutedExperts(nn.Module):
             if tok.numel() == 0:
                 continue
             xe = x[tok]
-            out = self.quant_act(F.silu(xe @ w1s[e]) * (xe @ w3s[e])) @ w2s[e]
+            out = self.quant_act(self.glu(xe @ w1s[e], xe @ w3s[e])) @ w2s[e]
             y.index_add_(0, tok, out * weights[tok, slot, None])
         return y
 
@@ -453,7 +498,7 @@ class RoutedExperts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        out_sorted = grouped_swiglu(x[order // k], counts, w1, w3, w2, self.backend, act=self.quant_act)
+        out_sorted = grouped_glu(x[order // k], counts, w1, w3, w2, self.backend, act=self.quant_act, glu=self.glu)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         out = out_sorted[inverse].view(N, k, self.dim)
@@ -464,7 +509,8 @@ class RoutedExperts(nn.Module):
 class MoE(nn.Module):
     """x [B, T, d_model] -> y [B, T, d_model]: shared expert(s) on every token plus top-k routed experts.
 
-    moe='latent': y = shared(x) + W_up( sum_j g_j E_j( W_down x ) ), experts in latent_dim;
+    moe='latent': y = shared(x) + W_up( norm( sum_j g_j E_j( W_down x ) ) ), experts in latent_dim; the RMSNorm
+                  only with latent_moe_use_norm (K3's routed_expert_norm);
     moe='standard': y = shared(x) + sum_j g_j E_j(x), experts in d_model.
     `dispatch_dim` is the width of each routed token payload (what an all-to-all would move).
     """
@@ -484,10 +530,13 @@ class MoE(nn.Module):
             if self.w_down.weight.device.type != "meta":
                 nn.init.normal_(self.w_down.weight, std=std)
                 nn.init.normal_(self.w_up.weight, std=std)
+        self.latent_norm = (nn.RMSNorm(l, eps=config.norm_eps)
+                            if self.latent and config.latent_moe_use_norm else None)
+        glu = glu_for(config)
         self.experts = RoutedExperts(config.n_experts, l, config.expert_ffn, std,
-                                     qat_format(config, "expert_weights"), qat_format(config, "activations"))
-        # n shared experts of width f, summed, are one SwiGLU of width n*f (as DeepSeek-V3 builds them)
-        self.shared = (SwiGLU(d, config.n_shared_experts * config.shared_ffn, std)
+                                     qat_format(config, "expert_weights"), qat_format(config, "activations"), glu)
+        # n shared experts of width f, summed, are one gated MLP of width n*f (as DeepSeek-V3 builds them)
+        self.shared = (GatedMLP(d, config.n_shared_experts * config.shared_ffn, std, glu)
                        if config.n_shared_experts > 0 else None)
 
     @property
@@ -511,6 +560,9 @@ class MoE(nn.Module):
         h = x.reshape(B * T, d)
         z = self.w_down(h) if self.latent else h  # [N, dispatch_dim]: the payload routed to experts
         y = self.experts(z, weights, experts)
+        if self.latent_norm is not None:  # in fp32, as the release's RMSNorm computes it
+            n = self.latent_norm
+            y = F.rms_norm(at_least_fp32(y), n.normalized_shape, at_least_fp32(n.weight), n.eps).to(y.dtype)
         if self.latent:
             y = self.w_up(y)
         if self.shared is not None:

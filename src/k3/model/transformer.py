@@ -2,7 +2,7 @@
 
 Depth is mixed by Block Attention Residuals: every sublayer reads a learned softmax mix of earlier
 representations (`AttnRes`), instead of a plain residual sum. Layer i's token mixer is chosen by the
-config's layer pattern (K = KDA, M = Gated MLA); its channel mixer is a dense SwiGLU for the first
+config's layer pattern (K = KDA, M = Gated MLA); its channel mixer is a dense gated MLP (SiTU-GLU in K3) for the first
 `n_dense_layers` layers and (Latent)MoE otherwise. Parallelism is applied from outside (k3.parallel).
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ from k3.model.attnres import AttnRes
 from k3.model.cache import HybridCache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
-from k3.model.moe import MoE, SwiGLU
+from k3.ops.glu import glu_for
+from k3.model.moe import GatedMLP, MoE
 from k3.quant.fake import apply_linear_qat
 
 
@@ -29,7 +30,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = (KimiDeltaAttention if self.kind == KDA else GatedMLA)(config, layer_idx)
         self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.ffn = MoE(config) if config.is_moe_layer(layer_idx) else SwiGLU(config.d_model, config.dense_ffn, config.init_std)
+        self.ffn = MoE(config) if config.is_moe_layer(layer_idx) else GatedMLP(config.d_model, config.dense_ffn, config.init_std, glu_for(config))
 
 
 class K3Model(nn.Module):

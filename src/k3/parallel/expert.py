@@ -11,7 +11,7 @@ Forward on every rank (all ranks of the EP group call it together):
   1. route: each token-slot's expert -> a global slot (placement; replicas picked round-robin);
   2. counts: all-to-all of the [R, S] token-slot counts (this rank -> each slot of each rank);
   3. dispatch: all-to-all of the token-slot rows z[token] sorted by destination slot;
-  4. compute: received rows regrouped by local slot, one grouped SwiGLU (k3.model.moe.grouped_swiglu);
+  4. compute: received rows regrouped by local slot, one grouped GLU (k3.model.moe.grouped_glu);
   5. combine: the reverse all-to-all; the sender weights and sums its k slots per token.
 Backward runs the two all-to-alls in reverse (k3.parallel.comm.all_to_all_rows). An expert's weight
 gradient is the sum over all senders' token-slots, so after backward `sync_expert_grads` sums the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.model.moe import MoE, RoutedExperts, grouped_swiglu
+from k3.model.moe import MoE, RoutedExperts, grouped_glu
 from k3.parallel import comm
 from k3.parallel.placement import Placement, contiguous_placement
 
@@ -54,6 +54,7 @@ class ExpertParallel(nn.Module):
         # QAT: the same fake-quant as RoutedExperts (per expert along the reduction dim, so per slot too)
         self.weight_format = getattr(experts, "weight_format", None)
         self.act_format = getattr(experts, "act_format", None)
+        self.glu = experts.glu
         self.last_recv_rows = 0  # token-slots this rank computed in the last forward
         self.last_recv_counts: torch.Tensor | None = None  # [S] per local slot
 
@@ -84,7 +85,7 @@ class ExpertParallel(nn.Module):
         by_slot = torch.argsort(slot_of_row, stable=True)
         counts = recv.sum(0)
         self.last_recv_rows, self.last_recv_counts = int(counts.sum()), counts.detach()
-        h = grouped_swiglu(z[by_slot], counts, *self.expert_weights(), self.backend, act=self.quant_act)
+        h = grouped_glu(z[by_slot], counts, *self.expert_weights(), self.backend, act=self.quant_act, glu=self.glu)
         if z.requires_grad and not h.requires_grad:
             # no rows arrived: keep the graph through both all-to-alls, whose backwards are collectives
             # that every rank of the group must enter, even with nothing to send

@@ -28,6 +28,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model.moe import RoutedExperts, routed_experts_on_meta
+from k3.ops.glu import silu_glu
 from k3.ops.mx import dequantize_mx, quantize_mx
 from k3.quant.fake import BLOCK, qat_format
 from k3.train import checkpoint as ckpt
@@ -76,8 +77,9 @@ class PackedRoutedExperts(RoutedExperts):
     """
 
     def __init__(self, n_experts: int, dim: int, ffn: int, weight_format: str = "mxfp4",
-                 act_format: str | None = None, device: torch.device | str | None = None):
+                 act_format: str | None = None, device: torch.device | str | None = None, glu=silu_glu):
         torch.nn.Module.__init__(self)  # no fp32 parameters: RoutedExperts.__init__ would allocate them
+        self.glu = glu
         if weight_format not in ("mxfp4", "mxfp8"):
             raise ValueError(f"packed experts need weight_format mxfp4 or mxfp8, got {weight_format!r}")
         self.n_experts, self.dim, self.ffn = n_experts, dim, ffn
@@ -96,7 +98,7 @@ class PackedRoutedExperts(RoutedExperts):
     def from_experts(cls, experts: RoutedExperts, weight_format: str) -> "PackedRoutedExperts":
         """Quantize a RoutedExperts' fp32 weights into a packed twin (same impl, backend, act_format)."""
         new = cls(experts.n_experts, experts.dim, experts.ffn, weight_format, experts.act_format,
-                  device=experts.w1.device)
+                  device=experts.w1.device, glu=experts.glu)
         new.impl, new.backend = experts.impl, experts.backend
         for name in EXPERT_WEIGHTS:
             codes, scales = pack_expert_weight(getattr(experts, name), weight_format, name)
@@ -148,7 +150,7 @@ def build_packed_model(config: K3Config):
         model = K3Model(config)
     for moe in model.moe_layers():
         e = moe.experts
-        moe.experts = PackedRoutedExperts(e.n_experts, e.dim, e.ffn, fmt, e.act_format)
+        moe.experts = PackedRoutedExperts(e.n_experts, e.dim, e.ffn, fmt, e.act_format, glu=e.glu)
     return model
 
 
