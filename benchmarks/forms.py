@@ -1,6 +1,7 @@
 """K3's released layer forms against k3's earlier (pre-release) forms, trained side by side on `mini`.
 
-    python benchmarks/forms.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2]
+    python benchmarks/forms.py [--json] [--quick] [--preset mini] [--steps N] [--seeds 0,1,2] [--variants ...]
+    python benchmarks/forms.py --merge A.json B.json [--out OUT.json]    # seeds run in separate processes
 
 The two variants differ only in the forms (docs/architecture.md, "Released forms"): the released preset, and the
 same preset with k3's earlier forms (`k3.config.LEGACY_FORMS`: Kimi-Linear's unbounded softplus gate and
@@ -40,11 +41,24 @@ from k3.data import DEFAULT_VOCAB_SIZE, prepare_data  # noqa: E402
 from k3.ops.kda.chunk import _auto_chunk_sizes  # noqa: E402
 
 VARIANTS = ("released", "earlier")
+# one released form each, reverted to k3's earlier one: together they make `earlier` on mini (its other
+# LEGACY_FORMS fields, attn_res_block_size, the SiTU betas and the quantile estimator, change nothing there)
+GROUPS = {"kda_gate": dict(gate_lower_bound=None), "output_gate": dict(use_full_rank_gate=False, kda_gate_bias=True),
+          "mla_key": dict(qk_rope_head_dim=0), "situ": dict(hidden_act="silu"),
+          "latent_norm": dict(latent_moe_use_norm=False)}
 MAX_EXPONENT = 30.0  # chunk_kda's default
 
 
 def variant_config(base, name: str):
-    return base if name == "released" else base.replace(**LEGACY_FORMS, name=f"{base.name}-earlier")
+    if name == "released":
+        return base
+    if name == "earlier":
+        return base.replace(**LEGACY_FORMS, name=f"{base.name}-earlier")
+    group = name.removeprefix("released-no-")
+    if group not in GROUPS or not name.startswith("released-no-"):
+        raise SystemExit(f"--variants: {name!r} is not one of released, earlier, "
+                         + ", ".join(f"released-no-{g}" for g in GROUPS))
+    return base.replace(**GROUPS[group], name=f"{base.name}-no-{group}")
 
 
 def _median_s(fn, repeats: int = 5) -> float:
@@ -104,6 +118,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny model, a few steps: a smoke test of the script")
     qat_bench.add_run_args(ap)
     ap.add_argument("--out", default=None, help="result JSON (default runs/bench/forms.json)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated: released, earlier, and released-no-GROUP (one form reverted) for GROUP in "
+                         + ", ".join(GROUPS) + " (default released,earlier); differences are against released")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="train nothing: combine the seeds of these result files (the same preset and budget, "
                          "e.g. two processes of different --seeds) into --out")
@@ -114,7 +131,10 @@ def main(argv=None) -> dict:
     seeds = qat_bench.parse_seeds(args.seeds)
     try:
         base = qat_bench.base_config(args.preset, args.quick)
-        configs = {v: variant_config(base, v) for v in VARIANTS}
+        variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        if "released" not in variants:
+            variants.insert(0, "released")
+        configs = {v: variant_config(base, v) for v in variants}
     except K3ConfigError as e:
         raise SystemExit(str(e)) from None
     data = args.data if base.vocab_size == DEFAULT_VOCAB_SIZE else f"{args.data}-v{base.vocab_size}"
@@ -125,7 +145,7 @@ def main(argv=None) -> dict:
     result: dict = {}
     for seed in seeds:
         runs[str(seed)] = {}
-        for v in VARIANTS:
+        for v in configs:
             model, rec, _ = qat_bench.train_run(configs[v], files, args, v, seed)
             r = {"val_loss": rec["val_loss"], "val_bpb": rec["val_loss"] / math.log(2) / bpt,
                  "tokens_per_s": rec["tokens_per_s"], "train_s": rec["train_s"]}
@@ -139,7 +159,7 @@ def main(argv=None) -> dict:
             "configs": {v: c.to_dict() for v, c in configs.items()},
             "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
                        "warmup_steps": args.warmup_steps, "tokens": args.steps * args.batch_size * args.seq_len},
-            "bytes_per_token": bpt, **summaries(runs),
+            "bytes_per_token": bpt, **summaries(runs, list(configs)),
             "wall_s": round(time.perf_counter() - t0, 1), "machine": machine(threads=args.threads),
             "command": "python benchmarks/forms.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         }
@@ -151,13 +171,14 @@ def main(argv=None) -> dict:
 KEYS = ("val_bpb", "val_loss", "cost_no_routed", "kda_share", "tokens_per_s", "min_log_decay")
 
 
-def summaries(runs: dict) -> dict:
-    """The per-variant summaries and paired differences over the seeds that finished both variants."""
-    done = {s: r for s, r in runs.items() if all(v in r for v in VARIANTS)}
-    return {"seeds": [int(s) for s in done], "runs": runs,
-            **{v: {k: summarize([r[v][k] for r in done.values()]) for k in KEYS} for v in VARIANTS},
-            "released_minus_earlier": {k: summarize([r["released"][k] - r["earlier"][k] for r in done.values()])
-                                       for k in KEYS}}
+def summaries(runs: dict, variants: list[str]) -> dict:
+    """The per-variant summaries, and each variant's paired difference from released (released - variant), over
+    the seeds that finished every variant."""
+    done = {s: r for s, r in runs.items() if all(v in r for v in variants)}
+    return {"variants": variants, "seeds": [int(s) for s in done], "runs": runs,
+            **{v: {k: summarize([r[v][k] for r in done.values()]) for k in KEYS} for v in variants},
+            **{f"released_minus_{v}": {k: summarize([r["released"][k] - r[v][k] for r in done.values()])
+                                       for k in KEYS} for v in variants if v != "released"}}
 
 
 def merge(args, argv) -> dict:
@@ -166,11 +187,12 @@ def merge(args, argv) -> dict:
     for p, path in zip(parts[1:], args.merge[1:]):
         if (p["preset"], p["budget"], p["configs"]) != (first["preset"], first["budget"], first["configs"]):
             raise SystemExit(f"--merge {path}: another preset, budget or config than {args.merge[0]}")
+    variants = first.get("variants", list(VARIANTS))
     runs = {}
     for p in parts:
-        runs.update({s: r for s, r in p["runs"].items() if all(v in r for v in VARIANTS)})
+        runs.update({s: r for s, r in p["runs"].items() if all(v in r for v in variants)})
     result = {**{k: first[k] for k in ("benchmark", "preset", "quick", "configs", "budget", "bytes_per_token")},
-              **summaries(runs), "wall_s": sum(p["wall_s"] for p in parts),
+              **summaries(runs, variants), "wall_s": sum(p["wall_s"] for p in parts),
               "machine": [p["machine"] for p in parts], "merged_from": [p["command"] for p in parts],
               "command": "python benchmarks/forms.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write_result(args.out, result)
@@ -182,13 +204,14 @@ def report(result: dict, args) -> None:
     if args.json:
         print(json.dumps(result))
     else:
-        d = result["released_minus_earlier"]
-        print(f"{result['preset']}, {result['budget']['steps']} steps, seeds {result['seeds']} (released - earlier, "
+        print(f"{result['preset']}, {result['budget']['steps']} steps, seeds {result['seeds']} (released - variant, "
               "paired):")
-        for k in ("val_bpb", "cost_no_routed", "kda_share", "tokens_per_s"):
-            sem = f" ± {d[k]['sem']:.4g}" if d[k]["sem"] is not None else ""
-            print(f"  {k}: {result['released'][k]['mean']:.4g} vs {result['earlier'][k]['mean']:.4g}, "
-                  f"difference {d[k]['mean']:+.4g}{sem}")
+        for v in result["variants"][1:]:
+            d = result[f"released_minus_{v}"]
+            for k in ("val_bpb", "cost_no_routed", "kda_share", "tokens_per_s"):
+                sem = f" ± {d[k]['sem']:.4g}" if d[k]["sem"] is not None else ""
+                print(f"  {v} {k}: {result['released'][k]['mean']:.4g} vs {result[v][k]['mean']:.4g}, "
+                      f"difference {d[k]['mean']:+.4g}{sem}")
         print(f"wrote {args.out}")
 
 

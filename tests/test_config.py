@@ -116,6 +116,7 @@ def test_k3_preset_is_the_released_text_config():
     assert (c.n_dense_layers, c.dense_ffn, c.moe_latent_dim, c.latent_moe_use_norm) == (1, 33792, 3584, True)
     assert (c.n_experts, c.n_active_experts, c.expert_ffn, c.n_shared_experts, c.routed_scale) == (896, 16, 3072, 2, 1.0)
     assert (c.attn_res_block_size, c.attnres_sources, c.init_std, c.tie_embeddings) == (12, 9, 0.02, False)
+    assert c.mla_norm_eps == 1e-6  # q_a_layernorm / kv_a_layernorm: the modeling code's default, not rms_norm_eps
     mla = [i + 1 for i, k in enumerate(c.pattern) if k == "M"]  # 1-indexed, as full_attn_layers lists them
     assert mla == list(range(4, 93, 4)) + [93] and len(mla) == 24
 

@@ -72,6 +72,9 @@ class K3Config:
     # The release's qk_rope_head_dim: a key slice of this width that kv_a_proj_with_mqa emits beside the latent,
     # shared by all heads and cached with it; the layers are NoPE, so it is never rotated. 0: no shared key.
     qk_rope_head_dim: int = 16
+    # eps of the RMSNorms on MLA's q and kv latents: 1e-6 in the released modeling code (its RMSNorm default, not
+    # rms_norm_eps); a config saved before this field existed gets norm_eps, what MLA used then
+    mla_norm_eps: float = 1e-6
     # The release's mla_use_output_gate: o = attention * sigmoid(g_proj x) before o_proj (K3); Kimi-Linear has none.
     mla_use_output_gate: bool = True
 
@@ -205,7 +208,8 @@ class K3Config:
                      "attn_res_block_size"]:
             if getattr(self, name) < 0:
                 bad(name, "must be >= 0", f"set {name} to 0 to disable it")
-        for name in ["routed_scale", "norm_eps", "kda_norm_eps", "init_std", "situ_beta", "situ_linear_beta"]:
+        for name in ["routed_scale", "norm_eps", "kda_norm_eps", "mla_norm_eps", "init_std", "situ_beta",
+                     "situ_linear_beta"]:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 bad(name, "must be a finite number > 0", f"set {name} to a finite value > 0")
@@ -294,7 +298,7 @@ class K3Config:
         if is_complete_config(d):
             # a complete config saved before a field existed (checkpoints, exports) gets what the model computed
             # then: KDA's output norm used norm_eps, and the layer forms were k3's earlier (pre-release) ones
-            legacy = {**LEGACY_FORMS, "kda_norm_eps": d.get("norm_eps")}
+            legacy = {**LEGACY_FORMS, "kda_norm_eps": d.get("norm_eps"), "mla_norm_eps": d.get("norm_eps")}
             d = {**{k: v for k, v in legacy.items() if k not in d}, **d}
         return cls(**d).validate()
 
@@ -337,7 +341,7 @@ def is_complete_config(d: dict) -> bool:
     """Whether a config dict names every field (those added later aside: from_dict fills them in for configs saved
     before they existed). A complete one stands alone; a partial one is laid over something (a preset, a
     checkpoint's)."""
-    return set(K3Config.__dataclass_fields__) - {"kda_norm_eps"} - set(LEGACY_FORMS) <= set(d)
+    return set(K3Config.__dataclass_fields__) - {"kda_norm_eps", "mla_norm_eps"} - set(LEGACY_FORMS) <= set(d)
 
 
 # ---------------------------------------------------------------------- presets
@@ -378,7 +382,7 @@ PRESETS: dict[str, dict] = {
         n_experts=896, n_active_experts=16, expert_ffn=3072,
         n_shared_experts=2, shared_ffn=3072, routed_scale=1.0,
         balancing="quantile", quantile_estimator="histogram", quantile_bins=1000,
-        norm_eps=1e-5, kda_norm_eps=1e-5, init_std=0.02, tie_embeddings=False,
+        norm_eps=1e-5, kda_norm_eps=1e-5, mla_norm_eps=1e-6, init_std=0.02, tie_embeddings=False,
     ),
     # Kimi-Linear-48B-A3B (moonshotai/Kimi-Linear-48B-A3B-Instruct config.json; transformers' kimi_linear): plain
     # residuals, a standard MoE, SwiGLU, the unbounded low-rank KDA gates.
@@ -392,7 +396,7 @@ PRESETS: dict[str, dict] = {
         n_dense_layers=1, dense_ffn=9216,
         moe="standard", latent_moe_use_norm=False, n_experts=256, n_active_experts=8, expert_ffn=1024,
         n_shared_experts=1, shared_ffn=1024, routed_scale=2.446,
-        balancing="bias", norm_eps=1e-5, kda_norm_eps=1e-5, init_std=0.02, tie_embeddings=False,
+        balancing="bias", norm_eps=1e-5, kda_norm_eps=1e-5, mla_norm_eps=1e-6, init_std=0.02, tie_embeddings=False,
     ),
 }
 

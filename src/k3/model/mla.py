@@ -55,12 +55,12 @@ class GatedMLA(nn.Module):
         d, H, K, V, C, R = self.d_model, self.n_heads, self.qk_head_dim, self.v_head_dim, self.kv_lora_rank, self.rope_dim
         if self.q_lora_rank > 0:
             self.wq_a = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=config.norm_eps)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=config.mla_norm_eps)
             self.wq_b = nn.Linear(self.q_lora_rank, H * (K + R), bias=False)
         else:
             self.wq = nn.Linear(d, H * (K + R), bias=False)
         self.wkv_a = nn.Linear(d, C + R, bias=False)
-        self.kv_norm = nn.RMSNorm(C, eps=config.norm_eps)
+        self.kv_norm = nn.RMSNorm(C, eps=config.mla_norm_eps)
         self.wkv_b = nn.Linear(C, H * (K + V), bias=False)  # no bias: absorption needs it linear
         self.w_gate = nn.Linear(d, H * V, bias=False) if config.mla_use_output_gate else None
         self.wo = nn.Linear(H * V, d, bias=False)

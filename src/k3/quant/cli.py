@@ -9,7 +9,7 @@ from pathlib import Path
 
 from k3.model.cli import add_config_args, config_from_args
 
-FORMATS = ("mx", "hf")
+FORMATS = ("mx", "hf", "kimi")
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
@@ -24,12 +24,36 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_kimi(args: argparse.Namespace) -> int:
+    import torch
+
+    from k3.io.export import export_kimi
+
+    if args.activations != "keep" or args.tokenizer is not None:
+        raise ValueError("--activations and --tokenizer do not apply to --format kimi (the released layout packs only "
+                         "the routed-expert weights; the tokenizer is the source's)")
+    dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    path, info = export_kimi(args.ckpt, args.out, model_type=args.model_type, dtype=dtype, overwrite=args.overwrite)
+    experts = "compressed-tensors MXFP4" if info["mxfp4_experts"] else "full precision"
+    print(f"exported {args.ckpt} -> {path} ({info['model_type']}; routed experts {experts}; "
+          f"{', '.join(info['shards'])}; tokenizer: {info['tokenizer'] or 'none known'})")
+    if info["model_type"] == "kimi_linear":
+        print(f"load it: transformers.KimiLinearForCausalLM.from_pretrained({str(path)!r}), or k3.load({str(path)!r})")
+    else:
+        print(f"load it: k3.load({str(path)!r}); k3 eval / sample / serve --ckpt {path}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from k3.quant.export import EXPORT_KEY, export_mx
     from k3.train.checkpoint import read_manifest
 
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
+    if args.format == "kimi":
+        return cmd_export_kimi(args)
+    if args.model_type is not None or args.dtype is not None:
+        raise ValueError("--model-type and --dtype apply to --format kimi only")
     if args.format == "hf":
         if args.activations != "keep":
             raise ValueError("--activations applies to --format mx only (the HF export keeps the checkpoint's "
@@ -56,15 +80,19 @@ def cmd_quant_bytes(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint: packed MX routed experts (--format mx) or an HF "
-                                      "transformers directory (--format hf)",
+    p = sub.add_parser("export", help="export a checkpoint: packed MX routed experts (--format mx), an HF "
+                                      "transformers directory (--format hf) or the released Kimi layout "
+                                      "(--format kimi)",
                        description="--format mx: pack a training checkpoint's routed-expert weights as MX codes + "
                                    "E8M0 scales (MXFP4: two codes per byte); every other tensor is copied as stored. "
                                    "The result loads with `k3 eval --ckpt OUT` / `k3 sample --ckpt OUT` and runs the "
                                    "experts from the packed weights (docs/quantization.md). --format hf: write "
                                    "config.json, model.safetensors and the tokenizer for AutoModelForCausalLM "
-                                   "(docs/serving.md).")
-    p.add_argument("ckpt", help="training checkpoint: a step directory or a root holding `latest`")
+                                   "(docs/serving.md). --format kimi: the released layout of Kimi-Linear (kimi_linear) "
+                                   "or Kimi K3 (kimi_k3), routed experts as compressed-tensors MXFP4 when the model "
+                                   "packs them; any checkpoint k3 reads is a source (docs/checkpoints.md).")
+    p.add_argument("ckpt", help="training checkpoint: a step directory or a root holding `latest` (--format kimi: "
+                                "also an export or a released folder)")
     p.add_argument("--out", required=True, help="output directory (becomes a checkpoint root)")
     p.add_argument("--format", default="mx", help=f"export format: {', '.join(FORMATS)} (default mx)")
     p.add_argument("--tokenizer", default=None,
@@ -72,6 +100,12 @@ def register(sub) -> None:
     p.add_argument("--activations", choices=("keep", "mxfp8", "mxfp4", "none"), default="keep",
                    help="qat.activations of the exported model (default: keep the checkpoint's; a full-precision "
                         "checkpoint exported with mxfp8 runs K3's PTQ setting)")
+    p.add_argument("--model-type", choices=("kimi_linear", "kimi_k3"), default=None,
+                   help="--format kimi: the layout (default: kimi_linear for a model without K3's additions, else "
+                        "kimi_k3)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="--format kimi: the dtype of the unquantized tensors (default: as the source stores them; "
+                        "the release ships bf16)")
     p.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
     p.set_defaults(func=cmd_export)
 

@@ -1,0 +1,75 @@
+"""k3.load: one loader for every checkpoint k3 meets, and the converters to the released layouts.
+
+    model = k3.load(path, dtype=None, device="cpu")     # K3Model in eval mode
+
+`path` may be a k3 training checkpoint (`k3 train --out DIR` writes DIR/checkpoint; a step folder or a root with
+`latest`; distributed ones too), a packed MX export (`k3 export --format mx`), a k3 HF export
+(`k3 export --format hf`), or a folder in the released layout of Kimi-Linear (`model_type` kimi_linear) or
+Kimi K3 (kimi_k3), single-file or sharded (k3.io.kimi). `device="meta"` gives the structure without reading
+any tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from k3.io.kimi import CheckpointFormatError, is_kimi_folder, load_kimi
+
+__all__ = ["load", "load_with_manifest", "CheckpointFormatError", "is_kimi_folder"]
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return d.get("model_type") if isinstance(d, dict) else None
+
+
+def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
+    """(K3Model in eval mode, manifest dict) for any checkpoint k.load accepts. The manifest is k3's own for
+    k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p}: no such file or directory; give a k3 checkpoint, a k3 export or a released "
+                         "Kimi-Linear / Kimi K3 folder")
+    mt = _model_type(p) if p.is_dir() else None
+    if mt in ("kimi_linear", "kimi_k3"):
+        model = load_kimi(p, dtype=dtype, device=device)
+        return model, {"source": str(p), "model_type": mt, "config": model.config.to_dict()}
+    if mt == "k3":
+        from k3.serve.hf import load_hf
+
+        hf, _ = load_hf(p, device=device if str(device) != "meta" else "cpu")
+        model = hf.model
+        if dtype is not None:
+            model.to(dtype)
+        return model.eval(), {"source": str(p), "model_type": "k3", "config": model.config.to_dict()}
+    if mt is not None:
+        raise CheckpointFormatError(f"{p / 'config.json'}: model_type {mt!r} is not one k3 reads; give a k3 checkpoint, "
+                                    "a k3 export or a released kimi_linear / kimi_k3 folder")
+    if str(device) == "meta":
+        from k3.config import K3Config
+        from k3.model.transformer import K3Model
+        from k3.train.checkpoint import latest_checkpoint, read_manifest
+
+        found = p if (p / "manifest.json").is_file() else latest_checkpoint(p)
+        if found is None:
+            raise ValueError(f"no checkpoint at {p}")
+        manifest = read_manifest(found, verify=False)
+        with torch.device("meta"):
+            return K3Model(K3Config.from_dict(manifest["config"])).eval(), manifest
+    from k3.train.trainer import load_trained_model
+
+    model, manifest = load_trained_model(p, device=device)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval(), manifest
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
+    """K3Model (eval mode) from any checkpoint k3 reads; see the module docstring."""
+    return load_with_manifest(path, dtype=dtype, device=device)[0]
