@@ -214,6 +214,15 @@ HEADLINES = {
         ("released.tokens_per_s.mean", "released forms: training tokens/s (1 thread)", ""),
         ("earlier.tokens_per_s.mean", "earlier forms: training tokens/s (1 thread)", ""),
     ],
+    "convert": [
+        ("source_bytes", "k3 export --format kimi, synthetic kimi_k3 (K3's forms, d 2048, 16 layers): source bytes "
+                         "(6.42 GB of them MXFP4 routed experts)", ""),
+        ("peak_rss_gb", "peak RSS of the export (GB; target: under 2 GB plus one layer)", "< 2.51"),
+        ("export_s", "export wall time (s), reading and writing every tensor once", ""),
+        ("throughput_gb_s", "bytes read + written per second (GB/s)", ""),
+        ("tensors_compared_bit_exact", "tensors of the first and last MoE layer compared with the source, bit-exact",
+         ""),
+    ],
     "moe_contrib": [
         ("val_loss.mean", "mini-s, 200 steps: val loss (seed mean)", ""),
         ("cost_no_routed.mean", "mini-s, 200 steps: val loss without the routed experts - with them (nats, seed mean)", ""),

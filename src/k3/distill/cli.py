@@ -103,7 +103,8 @@ def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenize
     `missing`: what to do when PATH holds no checkpoint (default: give another path). `tokenizer_flag`: the flag
     that named the tokenizer, for a model used on its own (no teacher to share it with)."""
     from k3.distill.mopd import check_same_tokenizer
-    from k3.train.trainer import load_trained_model, trained_tokenizer_hash
+    from k3.io import load_with_manifest
+    from k3.train.trainer import trained_tokenizer_hash
 
     path = Path(path)
     if (path / "checkpoint").is_dir():
@@ -112,7 +113,7 @@ def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenize
     if not path.exists():
         raise ValueError(f"{what} {path} does not exist; {fix}")
     try:
-        model, manifest = load_trained_model(path)
+        model, manifest = load_with_manifest(path)
     except ValueError as e:
         if not str(e).startswith("no checkpoint at"):
             raise

@@ -33,13 +33,14 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
     """(K3Model in eval mode, manifest dict) for any checkpoint k.load accepts. The manifest is k3's own for
     k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{p}: no such file or directory; give a k3 checkpoint, a k3 export or a released "
-                         "Kimi-Linear / Kimi K3 folder")
     mt = _model_type(p) if p.is_dir() else None
+    tok = p / "tokenizer.json"
+    shipped = {"tokenizer": str(tok)} if tok.is_file() else {}  # an export's or a release's own tokenizer
     if mt in ("kimi_linear", "kimi_k3"):
         model = load_kimi(p, dtype=dtype, device=device)
-        return model, {"source": str(p), "model_type": mt, "config": model.config.to_dict()}
+        # what k3's commands read from a manifest: the path, no training step, the tokenizer shipped beside it
+        return model, {"path": str(p), "step": None, "source": str(p), "model_type": mt,
+                       "config": model.config.to_dict(), "data": shipped}
     if mt == "k3":
         from k3.serve.hf import load_hf
 
@@ -47,7 +48,8 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
         model = hf.model
         if dtype is not None:
             model.to(dtype)
-        return model.eval(), {"source": str(p), "model_type": "k3", "config": model.config.to_dict()}
+        return model.eval(), {"path": str(p), "step": None, "source": str(p), "model_type": "k3",
+                              "config": model.config.to_dict(), "data": shipped}
     if mt is not None:
         raise CheckpointFormatError(f"{p / 'config.json'}: model_type {mt!r} is not one k3 reads; give a k3 checkpoint, "
                                     "a k3 export or a released kimi_linear / kimi_k3 folder")

@@ -120,7 +120,7 @@ def _write_tokenizer(src: Path, manifest: dict | None, config: K3Config, tmp: Pa
 
 def export_kimi(src: str | os.PathLike, out: str | os.PathLike, model_type: str | None = None,
                 dtype: torch.dtype | None = None, overwrite: bool = False,
-                max_shard_bytes: int = 4 << 30) -> tuple[Path, dict]:
+                max_shard_bytes: int = 1 << 30) -> tuple[Path, dict]:
     """Write `src` (anything k3.load reads) to `out` in the released layout; returns (out, info)."""
     src, out = Path(src), Path(out)
     if model_type is not None and model_type not in KIMI_TYPES:

@@ -392,15 +392,15 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     config.json, model.safetensors, generation_config.json and, when a tokenizer is found (the argument,
     else the one the checkpoint's manifest names), the tokenizer files. The directory is written beside
     `out_dir` and renamed into place, so `out_dir` is either the old export or the complete new one."""
+    from k3.io import load_with_manifest
     from k3.quant.export import EXPORT_KEY
-    from k3.train.trainer import load_trained_model
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not _is_hf_export(out):
         raise ValueError(f"{out} is not empty and not an earlier HF export of a k3 model (no config.json with "
                          f"model_type {MODEL_TYPE!r}); the export replaces the whole directory, so give it an --out "
                          "of its own")
-    model, manifest = load_trained_model(ckpt_dir)
+    model, manifest = load_with_manifest(ckpt_dir)
     if EXPORT_KEY in manifest.get("extra", {}):
         src = manifest["extra"][EXPORT_KEY].get("source", {}).get("checkpoint")
         raise ValueError(f"{manifest['path']} is a packed MX export; the HF format holds full-precision expert "

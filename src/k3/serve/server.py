@@ -111,11 +111,12 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike 
     """(model, tokenizer, manifest) with every mismatch found now, not at the first request."""
     from k3.config import K3Config, is_complete_config, read_config_file
     from k3.train.checkpoint import check_config
-    from k3.train.trainer import checkpoint_tokenizer, load_trained_model
+    from k3.io import load_with_manifest
+    from k3.train.trainer import checkpoint_tokenizer
 
     if config_path is not None:  # read before the model is loaded: a bad file is named at once
         want = read_config_file(config_path)
-    model, manifest = load_trained_model(ckpt, device)
+    model, manifest = load_with_manifest(ckpt, device=device)
     if config_path is not None:
         # a partial file names the fields to check, the rest are the checkpoint's (a complete one stands alone)
         if not is_complete_config(want):

@@ -196,14 +196,15 @@ def interruption_message(result, steps: int, out) -> str:
 # ---------------------------------------------------------------------- k3 eval
 def cmd_eval(args: argparse.Namespace) -> int:
     from k3.train.metrics import bits_per_byte
-    from k3.train.trainer import eval_batch_count, evaluate, load_trained_model, resolve_device
+    from k3.io import load_with_manifest
+    from k3.train.trainer import eval_batch_count, evaluate, resolve_device
 
     for flag, value in (("--max-batches", args.max_batches), ("--batch-size", args.batch_size),
                         ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} must be >= 1")
     device = resolve_device(args.device)
-    model, manifest = load_trained_model(args.ckpt, device)
+    model, manifest = load_with_manifest(args.ckpt, device=device)
     data_dir = args.data or manifest.get("data", {}).get("data_dir")
     if not data_dir:
         raise ValueError("the checkpoint does not name its data; pass --data DIR")
@@ -239,7 +240,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"{out['checkpoint']} (step {out['step']}), val split, seq_len {seq_len}")
+        step = f"step {out['step']}" if out["step"] is not None else "released weights"
+        print(f"{out['checkpoint']} ({step}), val split, seq_len {seq_len}")
         print(f"loss {loss:.4f} nats/token, perplexity {out['perplexity']:.2f}"
               + (f", {out['bits_per_byte']:.4f} bits/byte ({bpt:.2f} bytes/token)" if bpt else ""))
     return 0
@@ -281,12 +283,13 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, tempe
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from k3.train.trainer import checkpoint_tokenizer, load_trained_model, resolve_device
+    from k3.io import load_with_manifest
+    from k3.train.trainer import checkpoint_tokenizer, resolve_device
 
     check_sampling(args.temperature, args.top_p, args.max_new_tokens)
     if args.num_samples < 1:
         raise ValueError(f"--num-samples {args.num_samples} must be >= 1")
-    model, manifest = load_trained_model(args.ckpt, resolve_device(args.device))
+    model, manifest = load_with_manifest(args.ckpt, device=resolve_device(args.device))
     tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
     for i in range(args.num_samples):
         text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
