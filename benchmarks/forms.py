@@ -107,11 +107,6 @@ def kda_profile(model, files, args, seed: int) -> dict:
             "kda_op_s": round(op_s, 4), "step_s": round(step_s, 4), "kda_share": round(op_s / step_s, 4)}
 
 
-def summarize(xs: list[float]) -> dict:
-    mean, std, sem = qat_bench.mean_std_sem(xs)
-    return {"mean": mean, "std": std, "sem": sem, "per_seed": xs}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -121,6 +116,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="comma-separated: released, earlier, and released-no-GROUP (one form reverted) for GROUP in "
                          + ", ".join(GROUPS) + " (default released,earlier); differences are against released")
+    ap.add_argument("--throughput", type=int, default=0, metavar="N",
+                    help="train nothing to the end: time N training steps of each variant, interleaved step by step "
+                         "on the same batches (host drift hits all alike), after 3 warm-up steps; writes "
+                         "runs/bench/forms-throughput.json")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="train nothing: combine the seeds of these result files (the same preset and budget, "
                          "e.g. two processes of different --seeds) into --out")
@@ -139,6 +138,8 @@ def main(argv=None) -> dict:
         raise SystemExit(str(e)) from None
     data = args.data if base.vocab_size == DEFAULT_VOCAB_SIZE else f"{args.data}-v{base.vocab_size}"
     files = prepare_data(data, vocab_size=base.vocab_size)
+    if args.throughput:
+        return throughput(configs, files, args, argv)
     bpt = files.val.manifest.get("bytes_per_token")
     t0 = time.perf_counter()
     runs: dict[str, dict] = {}
@@ -168,6 +169,37 @@ def main(argv=None) -> dict:
     return result
 
 
+def throughput(configs: dict, files, args, argv) -> dict:
+    """Median training-step time per variant, the variants' steps interleaved on the same batches."""
+    trainers = {v: qat_bench.make_trainer(c, files, args, seed=0) for v, c in configs.items()}
+    times: dict[str, list[float]] = {v: [] for v in configs}
+    for i in range(3 + args.throughput):
+        for v, t in trainers.items():
+            t0 = time.perf_counter()
+            t.train_step()
+            if i >= 3:
+                times[v].append(time.perf_counter() - t0)
+    tokens = args.batch_size * args.seq_len
+    per = {v: {"median_step_s": statistics.median(ts), "tokens_per_s": tokens / statistics.median(ts),
+               "step_s": [round(x, 4) for x in ts]} for v, ts in times.items()}
+    result = {"benchmark": "forms-throughput", "preset": next(iter(configs.values())).name, "steps": args.throughput,
+              "batch_size": args.batch_size, "seq_len": args.seq_len, "threads": args.threads, "variants": per,
+              **{f"released_over_{v}_tokens_per_s": per["released"]["tokens_per_s"] / per[v]["tokens_per_s"]
+                 for v in per if v != "released"},
+              "machine": machine(threads=args.threads),
+              "command": "python benchmarks/forms.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out = args.out if args.out != str(qat_bench.bench_out("forms", args.quick)) else \
+        str(qat_bench.bench_out("forms-throughput", args.quick))
+    write_result(out, result)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for v, r in per.items():
+            print(f"{v}: {r['median_step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s")
+        print(f"wrote {out}")
+    return result
+
+
 KEYS = ("val_bpb", "val_loss", "cost_no_routed", "kda_share", "tokens_per_s", "min_log_decay")
 
 
@@ -176,8 +208,8 @@ def summaries(runs: dict, variants: list[str]) -> dict:
     the seeds that finished every variant."""
     done = {s: r for s, r in runs.items() if all(v in r for v in variants)}
     return {"variants": variants, "seeds": [int(s) for s in done], "runs": runs,
-            **{v: {k: summarize([r[v][k] for r in done.values()]) for k in KEYS} for v in variants},
-            **{f"released_minus_{v}": {k: summarize([r["released"][k] - r[v][k] for r in done.values()])
+            **{v: {k: moe_contrib.summarize([r[v][k] for r in done.values()]) for k in KEYS} for v in variants},
+            **{f"released_minus_{v}": {k: moe_contrib.summarize([r["released"][k] - r[v][k] for r in done.values()])
                                        for k in KEYS} for v in variants if v != "released"}}
 
 

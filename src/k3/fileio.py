@@ -113,3 +113,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj, indent: int = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """A fresh folder beside `out` (`.OUT.tmp-PID-*`) to write into; when the block ends without an error its files
+    get open()'s mode and it takes `out`'s place (an earlier `out` is moved aside to `.OUT.old-PID-*`, then
+    removed), so `out` is always the old folder or the complete new one. On an error the new folder is removed."""
+    import shutil
+    import uuid
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    old = None
+    try:
+        yield tmp
+        for f in tmp.iterdir():  # safetensors creates its files 0600
+            if f.is_file():
+                default_mode(f)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

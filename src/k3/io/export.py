@@ -12,14 +12,13 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from k3.config import K3Config
-from k3.fileio import default_mode, fsync_dir
+from k3.fileio import atomic_dir
 from k3.io.kimi import (KIMI_TYPES, TOKEN_KEYS, CheckpointFormatError, Tensors, _resolve_names, is_kimi_folder, kimi_config,
                         kimi_tensors, read_config, released_type, tensor_map, write_safetensors)
 
@@ -148,25 +147,9 @@ def export_kimi(src: str | os.PathLike, out: str | os.PathLike, model_type: str 
     cfg_json = kimi_config(config, mt, token_ids)  # refuses what the layout cannot hold, before anything is written
     if cfg_json.get("text_config", cfg_json).get("torch_dtype") and dtype is not None:
         cfg_json.get("text_config", cfg_json)["torch_dtype"] = str(dtype).removeprefix("torch.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n", encoding="utf-8")
         write_safetensors(kimi_tensors(config, get, mt, dtype), tmp, max_shard_bytes)
         tok = _write_tokenizer(src, manifest, config, tmp)
-        for f in tmp.iterdir():
-            default_mode(f)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out, {"model_type": mt, "tokenizer": tok, "mxfp4_experts": bool(config.qat.get("expert_weights")),
                  "shards": sorted(p.name for p in out.glob("*.safetensors"))}

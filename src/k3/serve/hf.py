@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
-from k3.fileio import default_mode, fsync_dir, pid_alive, writer_pid
+from k3.fileio import atomic_dir, pid_alive, writer_pid
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
 from k3.model.transformer import K3Model
@@ -427,25 +426,10 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     hf.generation_config.eos_token_id = [EOS] + [SPECIAL_TOKENS.index(t) for t in STOP_TOKENS]
     out.parent.mkdir(parents=True, exist_ok=True)
     _recover_killed_export(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_dir(out) as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
         if tok is not None:
             to_hf_tokenizer(tok, model_max_length=model.config.max_context).save_pretrained(tmp)
-        for f in tmp.iterdir():  # safetensors creates its files 0600
-            if f.is_file():
-                default_mode(f)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     log.debug("exported %s (step %s) to %s", manifest.get("path", ckpt_dir), manifest.get("step"), out)
     return out
 
