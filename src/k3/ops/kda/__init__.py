@@ -18,6 +18,7 @@ import torch
 from k3.ops.kda.chunk import chunk_kda
 from k3.ops.kda.naive import naive_recurrent_kda
 from k3.ops.kda.recurrent import fused_recurrent_kda
+from k3.ops.kda.varlen import check_cu_seqlens, from_padded, pack_index, to_padded
 
 __all__ = ["kda", "chunk_kda", "naive_recurrent_kda", "fused_recurrent_kda", "choose_impl", "IMPLS"]
 
@@ -56,7 +57,7 @@ def choose_impl(q: torch.Tensor) -> str:
     return "recurrent" if q.shape[1] <= RECURRENT_MAX_T else "chunk"
 
 
-def _check(q, k, v, g, beta, initial_state) -> None:
+def _check(q, k, v, g, beta, initial_state, n_seqs: int | None = None) -> None:
     def bad(name: str, want: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be {want}, got shape {tuple(x.shape)} (q is {tuple(q.shape)})")
 
@@ -71,8 +72,10 @@ def _check(q, k, v, g, beta, initial_state) -> None:
         bad("g", f"[B, T, H, K] = {[B, T, H, K]} like q", g)
     if beta.shape != q.shape[:3]:
         bad("beta", f"[B, T, H] = {[B, T, H]}", beta)
-    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
-        bad("initial_state", f"[B, H, K, V] = {[B, H, K, v.shape[-1]]}", initial_state)
+    N = B if n_seqs is None else n_seqs
+    if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
+        bad("initial_state", f"[N, H, K, V] = {[N, H, K, v.shape[-1]]} (one per sequence of cu_seqlens)" if n_seqs
+            else f"[B, H, K, V] = {[B, H, K, v.shape[-1]]}", initial_state)
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
@@ -88,15 +91,29 @@ def kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     impl: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0); beta: [B, T, H];
     initial_state: [B, H, K, V]. Returns (o [B, T, H, V], final state [B, H, K, V] or None).
 
     impl: None picks fla's Triton kernels for CUDA tensors (our kernels, with a warning, if fla is
     missing) and on CPU 'recurrent' for T <= 16, else 'chunk'; or force one of 'naive', 'chunk',
-    'recurrent', 'fla'."""
-    _check(q, k, v, g, beta, initial_state)
+    'recurrent', 'fla'.
+
+    cu_seqlens: N packed sequences in one row (B = 1), fla's convention (k3.ops.kda.varlen): the state restarts
+    at every start; initial_state and the final state are then [N, H, K, V], one per sequence."""
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    n_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    _check(q, k, v, g, beta, initial_state, n_seqs)
     impl = choose_impl(q) if impl is None else impl
+    if cu_seqlens is not None and impl != "fla":
+        # one padded batch [N, T_max]: padding has g = 0 and beta = 0, so it leaves every state as it was
+        seq, pos, T_max = pack_index(cu_seqlens.to(q.device))
+        padded = [to_padded(x, seq, pos, n_seqs, T_max) for x in (q, k, v, g, beta)]
+        o, state = kda(*padded, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                       impl=impl)
+        return from_padded(o, seq, pos), state
     args = (q, k, v, g, beta)
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
     if impl == "fla":
@@ -112,6 +129,8 @@ def kda(
         # the Triton kernels take q, k, v, beta in one dtype (under autocast the L2-normalised q, k come out
         # fp32 and v bf16); the log-decay g stays fp32, as fla's own layers keep it
         q, k, beta = (x.to(v.dtype) for x in (q, k, beta))
+        if cu_seqlens is not None:
+            kwargs["cu_seqlens"] = cu_seqlens.to(device=q.device, dtype=torch.int32)
         return fn(q, k, v, g.float(), beta, **kwargs)
     fns = {"naive": naive_recurrent_kda, "chunk": chunk_kda, "recurrent": fused_recurrent_kda}
     if impl not in fns:
