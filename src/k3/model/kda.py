@@ -70,9 +70,15 @@ class KimiDeltaAttention(nn.Module):
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         nn.init.ones_(self.norm_weight)
 
-    def _short_conv(self, x: torch.Tensor, cache: KDACache | None) -> torch.Tensor:
-        """x: [B, T, C] -> SiLU(causal depthwise conv(x)), continuing from cache.conv_state [B, C, W-1]."""
+    def _short_conv(self, x: torch.Tensor, cache: KDACache | None, segments=None) -> torch.Tensor:
+        """x: [B, T, C] -> SiLU(causal depthwise conv(x)), continuing from cache.conv_state [B, C, W-1]. With
+        `segments`, a tap that would reach back into another document reads zero instead."""
         B, T, C = x.shape
+        if segments is not None:
+            W = self.conv_size  # tap i of the kernel reads the token W - 1 - i steps back
+            y = sum(self.conv_weight[:, 0, W - 1 - j] * _shift(x, j) * segments.same[j][..., None]
+                    for j in range(W))
+            return F.silu(y)
         x = x.transpose(1, 2)
         prev = cache.conv_state if cache is not None and cache.conv_state is not None else None
         if prev is not None and prev.shape != (B, C, self.conv_size - 1):
@@ -84,9 +90,10 @@ class KimiDeltaAttention(nn.Module):
             cache.conv_state = x[..., x.shape[-1] - (self.conv_size - 1):].clone()
         return F.silu(F.conv1d(x, self.conv_weight, groups=C)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, segments=None) -> torch.Tensor:
         """x: [B, T, d_model] -> y: [B, T, d_model]. With a cache slot, continues from (and refills) its
-        conv_state and recurrent state, so prefill-then-decode equals one full forward."""
+        conv_state and recurrent state, so prefill-then-decode equals one full forward. `segments`
+        (k3.model.segments, no cache): the documents inside each row, kept apart."""
         d = self.config.d_model
         want = f"[B, T, d_model] = [B, T, {d}] with B, T >= 1"
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d or 0 in x.shape[:2]:
@@ -98,13 +105,19 @@ class KimiDeltaAttention(nn.Module):
                              "model's cache with model.new_cache()")
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache)
+        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache, segments)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.beta_proj(x))
-        o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
-                       output_final_state=cache is not None)
+        if segments is not None:  # the rows' documents as one packed row: the state restarts at each
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, _ = kda(*flat, cu_seqlens=segments.cu_seqlens)
+            o = o.view(B, T, H, -1)
+            state = None
+        else:
+            o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
+                           output_final_state=cache is not None)
         if cache is not None:
             cache.state = state
         o = at_least_fp32(o)
@@ -125,3 +138,8 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> the output gate's pre-activation [B, T, H*K]."""
         return self.g_proj(x) if hasattr(self, "g_proj") else self.gate_up(self.gate_down(x))
+
+
+def _shift(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x [B, T, C] -> x delayed by j tokens along T (zeros first)."""
+    return x if j == 0 else F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]

@@ -17,6 +17,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.ops.glu import glu_for
 from k3.model.moe import GatedMLP, MoE
+from k3.model.segments import Segments
 from k3.quant.fake import apply_linear_qat
 
 
@@ -69,8 +70,9 @@ class K3Model(nn.Module):
         if lo < 0 or hi >= V:
             raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V}); {fix}")
 
-    def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> final normed hidden states [B, T, d_model]."""
+    def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, d_model]. `doc_ids` [B, T]: see `forward`."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
                 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) \
@@ -89,6 +91,18 @@ class K3Model(nn.Module):
         seen = cache.seen_tokens if cache is not None else 0
         if seen + T > self.config.max_context:
             raise ValueError(f"sequence of {seen + T} tokens exceeds max_context = {self.config.max_context}")
+        segments = None
+        if doc_ids is not None:
+            if not isinstance(doc_ids, torch.Tensor) or tuple(doc_ids.shape) != tuple(input_ids.shape) \
+                    or doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool:
+                got = f"{tuple(doc_ids.shape)} {doc_ids.dtype}" if isinstance(doc_ids, torch.Tensor) \
+                    else type(doc_ids).__name__
+                raise ValueError(f"doc_ids must be an integer tensor shaped like input_ids {tuple(input_ids.shape)} "
+                                 f"(one document label per token), got {got}")
+            if cache is not None:
+                raise ValueError("doc_ids with a cache: a cached sequence is one document; prefill each "
+                                 "document with its own cache")
+            segments = Segments.from_doc_ids(doc_ids.to(input_ids.device), self.config.kda_conv_size - 1)
         x = self.embed(input_ids)
         ar = self.attnres
         state = ar.start(x)
@@ -96,7 +110,9 @@ class K3Model(nn.Module):
         try:
             for i, block in enumerate(self.layers):
                 h = ar.mix(state, 2 * i)
-                ar.push(state, 2 * i, block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
+                y = (block.mixer(block.attn_norm(h), segments=segments) if segments is not None
+                     else block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
+                ar.push(state, 2 * i, y)
                 h = ar.mix(state, 2 * i + 1)
                 ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
         except BaseException:  # a layer failed (or Ctrl-C): the cache stays as it was, not half advanced
@@ -109,9 +125,13 @@ class K3Model(nn.Module):
                 cache.row_tokens = [n + T for n in cache.row_tokens]
         return self.norm(ar.final(state))
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab]. With a cache, the tokens continue the cached sequence."""
-        return self.head(self.hidden_states(input_ids, cache))
+    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab]. With a cache, the tokens continue the cached sequence.
+        doc_ids [B, T] (integers, no cache): the document of each token, for rows that pack several; no token
+        sees another document's (KDA's state restarts, the short conv and MLA stop at each boundary), so each
+        document's logits are those it gets alone (k3.model.segments)."""
+        return self.head(self.hidden_states(input_ids, cache, doc_ids))
 
     # ------------------------------------------------------------------ introspection
     def moe_layers(self) -> list[MoE]:
