@@ -1,30 +1,9 @@
 """The released layout of Kimi-Linear (`kimi_linear`) and Kimi K3 (`kimi_k3`) checkpoints, both ways.
 
-A folder holds `config.json` and `model.safetensors` (or shards named by `model.safetensors.index.json`).
-`kimi_linear` is the text model at the top level (`KimiLinearForCausalLM`, tensors `model.*`, `lm_head.weight`);
-`kimi_k3` wraps it (`KimiK3ForConditionalGeneration`: the text config in `text_config`, tensors under
-`language_model.`). K3's routed experts ship as compressed-tensors MXFP4: per expert and weight,
-`weight_packed` [out, in/2] uint8 (two E2M1 codes a byte, the even element in the low nibble) and
-`weight_scale` [out, in/32] uint8 (E8M0, 2^(e-127)) -- the bytes k3's packed experts hold, one expert at a time.
-
-Tensor names (per layer i, under `model.layers.{i}.`; k3's names on the left, docs/checkpoints.md lists them):
-    attn_norm / ffn_norm            input_layernorm / post_attention_layernorm
-    KDA  q_proj k_proj v_proj o_proj  self_attn.{same}
-         conv_weight [3HK, 1, W]      self_attn.{q,k,v}_conv1d.weight [HK, 1, W] each
-         alpha_down / alpha_up        self_attn.f_a_proj / f_b_proj
-         beta_proj                    self_attn.b_proj
-         g_proj | gate_down, gate_up  self_attn.g_proj | g_a_proj, g_b_proj
-         A_log [H], dt_bias, norm_weight   self_attn.A_log ([1,1,H,1] Kimi-Linear; [H] or zero-padded K3), dt_bias, o_norm
-    MLA  wq | wq_a q_norm wq_b        self_attn.q_proj | q_a_proj q_a_layernorm q_b_proj
-         wkv_a kv_norm wkv_b w_gate wo   self_attn.kv_a_proj_with_mqa kv_a_layernorm kv_b_proj g_proj o_proj
-    dense ffn w1 w3 w2                mlp.gate_proj up_proj down_proj (transformers writes block_sparse_moe.*)
-    MoE  router.weight, router.bias   block_sparse_moe.gate.weight, gate.e_score_correction_bias
-         experts.w1/w3 [E, dim, ffn]  block_sparse_moe.experts.{e}.w1/w3.weight [ffn, dim] (or weight_packed/_scale)
-         experts.w2 [E, ffn, dim]     block_sparse_moe.experts.{e}.w2.weight [dim, ffn]
-         w_down latent_norm w_up      block_sparse_moe.routed_expert_down_proj routed_expert_norm routed_expert_up_proj
-         shared.w1 w3 w2              block_sparse_moe.shared_experts.gate_proj up_proj down_proj
-    AttnRes pseudo_query/key_norm[2i], [2i+1]   self_attention_res_proj [1, d] / _norm, mlp_res_proj / _norm
-    model-level: embed, norm, head, attnres[2L]  model.embed_tokens, model.norm, lm_head, model.output_attn_res_*
+A folder holds `config.json` and `model.safetensors` (or shards named by `model.safetensors.index.json`);
+`kimi_k3` wraps the text model (`text_config`, tensors under `language_model.`) and ships its routed experts as
+compressed-tensors MXFP4, the bytes k3's packed experts hold. `tensor_map` is the one table between k3's names and
+the release's; docs/checkpoints.md lists it and the config keys.
 """
 from __future__ import annotations
 
@@ -212,16 +191,12 @@ def kimi_config(config: K3Config, model_type: str | None = None, token_ids: dict
         refuse("kda_gate_rank", f"differs from kda_head_dim = {c.kda_head_dim} (the release's gate rank)")
     if c.attnres == "full":
         refuse("attnres", "(Full AttnRes)")
-    if c.attnres == "block" and not c.attn_res_block_size and c.attnres_block_size * (c.attnres_sources - 2) >= c.n_layers:
-        refuse("attnres_sources", "tiles the layers in blocks the release's attn_res_block_size cannot repeat")
     if c.n_shared_experts and c.shared_ffn != c.expert_ffn:
         refuse("shared_ffn", f"differs from expert_ffn = {c.expert_ffn} (one moe_intermediate_size for both)")
     if c.qat.get("activations") not in (None, "none") or c.qat.get("linears") not in (None, "none"):
         refuse("qat", "quantizes more than the routed-expert weights")
     if c.qat.get("expert_weights") == "mxfp8":
         refuse("qat", "packs the experts in MXFP8 (the release ships MXFP4)")
-    if c.balancing == "aux_loss":
-        pass  # a training choice; nothing to write
     if mt == "kimi_linear" and released_type(c) != "kimi_linear":
         raise CheckpointFormatError(f"{c.name} has K3's additions (AttnRes, SiTU, LatentMoE or the K3 KDA gates); "
                                     "kimi_linear cannot hold them: write kimi_k3")
