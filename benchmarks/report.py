@@ -214,6 +214,12 @@ HEADLINES = {
         ("released.tokens_per_s.mean", "released forms: training tokens/s (1 thread)", ""),
         ("earlier.tokens_per_s.mean", "earlier forms: training tokens/s (1 thread)", ""),
     ],
+    "prefill_packed": [
+        ("packed_over_one_at_a_time", "prefill of 8 prompts of 16-2048 tokens on mini: packed row vs one at a time "
+                                      "(prompt tokens/s ratio, 1 thread)", ">= 2x"),
+        ("packed_over_padded", "same, packed row vs one batch padded to the longest prompt", ""),
+        ("tokens_per_s.packed", "packed prefill, prompt tokens/s", ""),
+    ],
     "convert": [
         ("source_bytes", "k3 export --format kimi, synthetic kimi_k3 (K3's forms, d 2048, 16 layers): source bytes "
                          "(6.42 GB of them MXFP4 routed experts)", ""),

@@ -70,3 +70,27 @@ def test_bad_doc_ids(model, bad, match):
         model(torch.zeros(1, 5, dtype=torch.long), doc_ids=bad)
     with pytest.raises(ValueError, match="with a cache"):
         model(torch.zeros(1, 5, dtype=torch.long), model.new_cache(), doc_ids=torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_packed_prefill_fills_each_documents_cache_as_alone(model):
+    """Prompts of 3, 1, 40 and 9 tokens prefilled as one packed row, each into its own fresh cache, then decoded
+    on their own: the logits of every step equal a prefill and decode of that prompt alone."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (1, n), generator=g) for n in (3, 1, 40, 9)]
+    row = torch.cat(prompts, 1)
+    doc_ids = torch.cat([torch.full((1, p.shape[1]), i) for i, p in enumerate(prompts)], 1)
+    caches = [model.new_cache() for _ in prompts]
+    nxt = torch.randint(0, 512, (len(prompts), 3), generator=g)
+    with torch.no_grad():
+        h = model.hidden_states(row, doc_ids=doc_ids, doc_caches=caches)
+        ends = torch.tensor([p.shape[1] for p in prompts]).cumsum(0) - 1
+        first = model.head(h[0, ends])
+        for i, (p, c) in enumerate(zip(prompts, caches)):
+            ref_cache = model.new_cache()
+            torch.testing.assert_close(first[i], model(p, ref_cache)[0, -1], atol=1e-10, rtol=1e-10)
+            assert c.seen_tokens == ref_cache.seen_tokens == p.shape[1]
+            for t in range(3):
+                step = nxt[i:i + 1, t:t + 1]
+                torch.testing.assert_close(model(step, c), model(step, ref_cache), atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="4 fresh caches"):
+        model.hidden_states(row, doc_ids=doc_ids, doc_caches=caches[:3])

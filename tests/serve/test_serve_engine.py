@@ -118,10 +118,10 @@ def test_overlapping_prefills_share_padded_chunks(tiny_model):
     padded_chunks = []
     real = m.hidden_states
 
-    def spy(ids, cache=None):
+    def spy(ids, cache=None, **kw):
         if cache is not None and ids.shape[1] > 1:
             padded_chunks.append(any(getattr(s, "key_mask", None) is not None for s in cache.slots))
-        return real(ids, cache)
+        return real(ids, cache, **kw)
 
     m.hidden_states = spy  # an instance attribute over the method, removed below
     try:
@@ -484,3 +484,28 @@ def test_a_reply_that_spells_a_marker_in_ordinary_characters_keeps_it_as_text(ti
         for kind, v in p.feed(ev.text, final=ev.finish_reason is not None):
             got[kind] += [v.name] if kind == "tool_call" else v
     assert (got["content"], got["reasoning"], got["tool_call"]) == (content, reasoning, ["f"])
+
+
+def test_packed_prefill_gives_the_tokens_of_one_at_a_time(tiny_model):
+    """New prompts of different lengths prefill as one packed row (each into its own cache): greedy and seeded
+    sampled outputs equal the engine's one-at-a-time prefill."""
+    m = tiny_model
+    prompts = _prompts([3, 17, 1, 40, 9], seed=5)
+    params = [SamplingParams(max_tokens=7, temperature=0), SamplingParams(max_tokens=5, temperature=0.9, seed=3)] * 3
+    packed_rows = []
+    real = m.hidden_states
+
+    def spy(ids, cache=None, doc_ids=None, doc_caches=None):
+        if doc_caches is not None:
+            packed_rows.append(len(doc_caches))
+        return real(ids, cache, doc_ids, doc_caches)
+
+    want = Engine(m, max_batch=8, prefill_chunk=64, eos_id=NO_EOS, packed_prefill=False).generate(
+        prompts, params[:5])
+    m.hidden_states = spy
+    try:
+        got = Engine(m, max_batch=8, prefill_chunk=64, eos_id=NO_EOS).generate(prompts, params[:5])
+    finally:
+        del m.hidden_states
+    assert packed_rows == [5]  # all five in one packed row
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]

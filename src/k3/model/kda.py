@@ -90,10 +90,12 @@ class KimiDeltaAttention(nn.Module):
             cache.conv_state = x[..., x.shape[-1] - (self.conv_size - 1):].clone()
         return F.silu(F.conv1d(x, self.conv_weight, groups=C)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None, segments=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, segments=None,
+                doc_slots: list[KDACache] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> y: [B, T, d_model]. With a cache slot, continues from (and refills) its
         conv_state and recurrent state, so prefill-then-decode equals one full forward. `segments`
-        (k3.model.segments, no cache): the documents inside each row, kept apart."""
+        (k3.model.segments, no cache): the documents inside each row, kept apart; `doc_slots`: one fresh
+        KDACache per document, left as a prefill of that document alone would leave it."""
         d = self.config.d_model
         want = f"[B, T, d_model] = [B, T, {d}] with B, T >= 1"
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d or 0 in x.shape[:2]:
@@ -105,16 +107,22 @@ class KimiDeltaAttention(nn.Module):
                              "model's cache with model.new_cache()")
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1), cache, segments)
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        qkv = self._short_conv(raw, cache, segments)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
         q, k = (t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.beta_proj(x))
         if segments is not None:  # the rows' documents as one packed row: the state restarts at each
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            o, _ = kda(*flat, cu_seqlens=segments.cu_seqlens)
+            o, states = kda(*flat, cu_seqlens=segments.cu_seqlens, output_final_state=doc_slots is not None)
             o = o.view(B, T, H, -1)
             state = None
+            for n, (slot, (b, s, e)) in enumerate(zip(doc_slots or [], segments.runs)):
+                slot.state = states[n:n + 1]
+                W1 = self.conv_size - 1  # the conv's inputs of the document's last W - 1 tokens, zeros before it
+                tail = raw[b, max(s, e - W1):e].t()[None]
+                slot.conv_state = F.pad(tail, (W1 - tail.shape[-1], 0)).clone()
         else:
             o, state = kda(q, k, v, g, beta, initial_state=None if cache is None else cache.state,
                            output_final_state=cache is not None)

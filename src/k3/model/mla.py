@@ -78,8 +78,9 @@ class GatedMLA(nn.Module):
         return self.wq_b if self.q_lora_rank > 0 else self.wq
 
     def forward(self, x: torch.Tensor, cache: MLACache | None = None, absorb: bool | None = None,
-                segments=None) -> torch.Tensor:
-        """`segments` (k3.model.segments, no cache): each token attends only within its own document."""
+                segments=None, doc_slots: list[MLACache] | None = None) -> torch.Tensor:
+        """`segments` (k3.model.segments, no cache): each token attends only within its own document;
+        `doc_slots`: one fresh MLACache per document, filled with that document's latents (packed prefill)."""
         self._check(x, cache)
         B, T, _ = x.shape
         q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
@@ -97,8 +98,18 @@ class GatedMLA(nn.Module):
         absorb = absorb if absorb is not None else self.absorb
         if absorb is None:
             absorb = cache is not None and T == 1
-        if segments is not None:
-            o = self._naive(q, c_kv, 0, None, segments.attn_mask)
+        if segments is not None:  # one causal attention per document
+            o = q.new_empty(B, T, self.n_heads, self.v_head_dim)
+            maxes = []
+            for b, s, e in segments.runs:
+                o[b:b + 1, s:e] = self._naive(q[b:b + 1, s:e], c_kv[b:b + 1, s:e], 0)
+                if self.track_max_logits:
+                    maxes.append(self.max_logits)
+            if self.track_max_logits:
+                self.max_logits = torch.stack(maxes).amax(0)
+            if doc_slots is not None:
+                for slot, (b, s, e) in zip(doc_slots, segments.runs):
+                    slot.append(c_kv[b:b + 1, s:e])
         else:
             o = (self._absorbed if absorb else self._naive)(q, c_kv, P, key_mask)  # [B, T, H, V]
         o = o.reshape(B, T, -1)
@@ -106,10 +117,8 @@ class GatedMLA(nn.Module):
             o = o * torch.sigmoid(self.w_gate(x))
         return self.wo(o)
 
-    def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int, key_mask: torch.Tensor | None = None,
-               doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Materialise k, v [B, S, H, *] from the latent and run SDPA; queries sit at positions P..P+T-1.
-        `doc_mask` [B, 1, T, T] (P = 0): the visible pairs, causal and within a document."""
+    def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Materialise k, v [B, S, H, *] from the latent and run SDPA; queries sit at positions P..P+T-1."""
         B, T, H, _ = q.shape
         K, R, S = self.qk_head_dim, self.rope_dim, c_kv.shape[1]
         c_kv, k_s = c_kv.split([self.kv_lora_rank, R], dim=-1)
@@ -117,10 +126,10 @@ class GatedMLA(nn.Module):
         if R:  # the shared key slice joins every head's key
             k = torch.cat([k, k_s[:, :, None, :].expand(B, S, H, R)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        causal = P == 0 and key_mask is None and doc_mask is None
-        mask = doc_mask if doc_mask is not None else None if causal else _visible(T, S, P, key_mask, q.device)
+        causal = P == 0 and key_mask is None
+        mask = None if causal else _visible(T, S, P, key_mask, q.device)
         if self.track_max_logits:
-            self._track(torch.einsum("bhtk,bhsk->bhts", q, k) * self.softmax_scale, T, S, P, key_mask, doc_mask)
+            self._track(torch.einsum("bhtk,bhsk->bhts", q, k) * self.softmax_scale, T, S, P, key_mask)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale)
         return o.transpose(1, 2)
 
@@ -150,11 +159,9 @@ class GatedMLA(nn.Module):
         o_latent = torch.einsum("bhts,bsc->bthc", p, c_kv)
         return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
 
-    def _track(self, scores: torch.Tensor, T: int, S: int, P: int, key_mask: torch.Tensor | None = None,
-               doc_mask: torch.Tensor | None = None) -> None:
+    def _track(self, scores: torch.Tensor, T: int, S: int, P: int, key_mask: torch.Tensor | None = None) -> None:
         """scores [B, H, T, S] pre-softmax scaled logits; keeps the max over visible entries per head."""
-        visible = doc_mask if doc_mask is not None else _visible(T, S, P, key_mask, scores.device)
-        masked = scores.detach().masked_fill(~visible, float("-inf"))
+        masked = scores.detach().masked_fill(~_visible(T, S, P, key_mask, scores.device), float("-inf"))
         self.max_logits = masked.amax(dim=(0, 2, 3))
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ every row's start). From it, once per forward:
   - KDA's recurrence restarts at each boundary (`cu_seqlens` over the B*T tokens as one packed row, k3.ops.kda),
   - the short convolution drops every tap that would reach back across one (`same[j]`: token t and t - j share a
     document),
-  - MLA attends only within a document (`attn_mask`: causal and same document).
+  - MLA attends only within a document: one causal attention per document (`runs`), which costs the sum of the
+    documents' squared lengths rather than the row's.
 Token-local parts (norms, AttnRes over depth, MoE) need nothing.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Segments:
     doc_ids: torch.Tensor       # [B, T] long
     cu_seqlens: torch.Tensor    # [N + 1] int32 over the flattened B*T tokens
     same: list[torch.Tensor]    # same[j] [B, T] bool: token t - j exists and is in t's document (same[0] all true)
-    attn_mask: torch.Tensor     # [B, 1, T, T] bool, True = visible
+    runs: list[tuple[int, int, int]]  # (row, start, end) of each document, in the order of cu_seqlens
 
     @classmethod
     def from_doc_ids(cls, doc_ids: torch.Tensor, max_lag: int) -> "Segments":
@@ -38,6 +39,6 @@ class Segments:
             s = torch.zeros(B, T, dtype=torch.bool, device=d.device)
             s[:, j:] = run[:, j:] == run[:, :-j]
             same.append(s)
-        causal = torch.ones(T, T, dtype=torch.bool, device=d.device).tril()
-        mask = causal & (run[:, :, None] == run[:, None, :])
-        return cls(run, cu, same, mask[:, None])
+        flat = cu.tolist()
+        runs = [(a // T, a % T, a % T + (b - a)) for a, b in zip(flat, flat[1:])]
+        return cls(run, cu, same, runs)

@@ -71,8 +71,10 @@ class K3Model(nn.Module):
             raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V}); {fix}")
 
     def hidden_states(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> final normed hidden states [B, T, d_model]. `doc_ids` [B, T]: see `forward`."""
+                      doc_ids: torch.Tensor | None = None, doc_caches: list[HybridCache] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, d_model]. `doc_ids` [B, T]: see `forward`.
+        `doc_caches` (with doc_ids): one fresh cache per document, in row-major order, each filled as a prefill of
+        its document alone would fill it (the engine's packed prefill of several prompts)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
                 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             got = f"{tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) \
@@ -103,6 +105,13 @@ class K3Model(nn.Module):
                 raise ValueError("doc_ids with a cache: a cached sequence is one document; prefill each "
                                  "document with its own cache")
             segments = Segments.from_doc_ids(doc_ids.to(input_ids.device), self.config.kda_conv_size - 1)
+            if doc_caches is not None:
+                if len(doc_caches) != len(segments.runs) or any(len(c) != len(self.layers) or c.seen_tokens
+                                                                for c in doc_caches):
+                    raise ValueError(f"doc_caches must be {len(segments.runs)} fresh caches (one per document, from "
+                                     "model.new_cache()), in the order the documents appear")
+        elif doc_caches is not None:
+            raise ValueError("doc_caches needs doc_ids: the documents the caches are for")
         x = self.embed(input_ids)
         ar = self.attnres
         state = ar.start(x)
@@ -110,8 +119,11 @@ class K3Model(nn.Module):
         try:
             for i, block in enumerate(self.layers):
                 h = ar.mix(state, 2 * i)
-                y = (block.mixer(block.attn_norm(h), segments=segments) if segments is not None
-                     else block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i]))
+                if segments is not None:
+                    slots = None if doc_caches is None else [c[i] for c in doc_caches]
+                    y = block.mixer(block.attn_norm(h), segments=segments, doc_slots=slots)
+                else:
+                    y = block.mixer(block.attn_norm(h), cache=None if cache is None else cache[i])
                 ar.push(state, 2 * i, y)
                 h = ar.mix(state, 2 * i + 1)
                 ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
@@ -119,6 +131,8 @@ class K3Model(nn.Module):
             if saved is not None:
                 cache.restore(saved)
             raise
+        for c, (_, s, e) in zip(doc_caches or [], segments.runs if segments is not None else []):
+            c.seen_tokens = e - s
         if cache is not None:
             cache.seen_tokens += T
             if cache.row_tokens is not None:
@@ -131,7 +145,8 @@ class K3Model(nn.Module):
         doc_ids [B, T] (integers, no cache): the document of each token, for rows that pack several; no token
         sees another document's (KDA's state restarts, the short conv and MLA stop at each boundary), so each
         document's logits are those it gets alone (k3.model.segments)."""
-        return self.head(self.hidden_states(input_ids, cache, doc_ids))
+        h = self.hidden_states(input_ids, cache) if doc_ids is None else self.hidden_states(input_ids, cache, doc_ids)
+        return self.head(h)
 
     # ------------------------------------------------------------------ introspection
     def moe_layers(self) -> list[MoE]:

@@ -4,8 +4,10 @@ Each `step()` does, in order:
   1. drop cancelled requests (their rows leave the batch, their slot frees);
   2. admit waiting requests while fewer than `max_batch` are in flight;
   3. one prefill round: every request still reading its prompt feeds its next piece of at most
-     `prefill_chunk` tokens; pieces of equal length run as one batch (a long prompt never needs more
-     than one chunk of activations, and it shares the step with decoding instead of stalling it).
+     `prefill_chunk` tokens; new prompts that fit one chunk run together as one packed row (no padding; each
+     keeps to its own tokens, k3.model.segments, and leaves with its own cache), other pieces of equal length
+     as one batch (a long prompt never needs more than one chunk of activations, and it shares the step with
+     decoding instead of stalling it).
      A request whose prompt is done samples its first token from the last position's logits;
   4. prefilled requests join the running batch (`HybridCache.merge`: KDA states stack, MLA latents
      are padded with a key mask), then one decode step feeds every running row its last token;
@@ -95,7 +97,7 @@ class Engine:
     """Continuous-batching generator over a K3Model. Thread-safe `submit`/`cancel`; `step` from one thread."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int = 512, eos_id: int | None = None):
+                 prefill_chunk: int = 512, eos_id: int | None = None, packed_prefill: bool = True):
         for name, v, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -107,6 +109,7 @@ class Engine:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{self.config.vocab_size}; serve the tokenizer the model was trained with")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.packed_prefill = packed_prefill
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else EOS_ID)
         self.device = next(model.parameters()).device
         self.waiting: collections.deque[Request] = collections.deque()
@@ -254,11 +257,16 @@ class Engine:
         self.batch = self.batch.select(keep) if keep else None
 
     def _prefill_round(self, done: list[Request]) -> list[Request]:
+        ready: list[tuple[Request, torch.Tensor]] = []
+        whole = [r for r in self.prefilling if r.prefilled == 0 and len(r.prompt_ids) <= self.prefill_chunk]
+        if self.packed_prefill and len(whole) > 1:
+            ready += self._packed_prefill(whole)
         groups: dict[tuple[int, bool], list[Request]] = collections.defaultdict(list)
         for r in self.prefilling:
+            if self.packed_prefill and len(whole) > 1 and r in whole:
+                continue
             n = min(self.prefill_chunk, len(r.prompt_ids) - r.prefilled)
             groups[(n, r.cache.batch_size is None)].append(r)
-        ready: list[tuple[Request, torch.Tensor]] = []
         for (n, _fresh), rs in groups.items():
             ids = torch.tensor([r.prompt_ids[r.prefilled:r.prefilled + n] for r in rs], device=self.device)
             cache = rs[0].cache if len(rs) == 1 else HybridCache.merge([r.cache for r in rs])
@@ -294,6 +302,19 @@ class Engine:
                 joining.append(r)
             self.prefilling.remove(r)
         return joining
+
+    def _packed_prefill(self, rs: list[Request]) -> list[tuple[Request, torch.Tensor]]:
+        """New prompts that each fit one chunk, prefilled as one packed row [1, sum of lengths]: every prompt into
+        its own fresh cache, as if alone; returns (request, logits at its last prompt token)."""
+        ids = torch.tensor([[t for r in rs for t in r.prompt_ids]], device=self.device)
+        doc_ids = torch.tensor([[i for i, r in enumerate(rs) for _ in r.prompt_ids]], device=self.device)
+        caches = [self.model.new_cache() for _ in rs]
+        h = self.model.hidden_states(ids, doc_ids=doc_ids, doc_caches=caches)  # [1, T, d]
+        ends = torch.tensor([len(r.prompt_ids) for r in rs], device=self.device).cumsum(0) - 1
+        logits = self.model.head(h[0, ends])
+        for r, c in zip(rs, caches):
+            r.cache, r.prefilled = c, len(r.prompt_ids)
+        return list(zip(rs, logits))
 
     def _fail(self, r: Request, e: Exception, done: list[Request]) -> None:
         log.exception("request %s failed; the others go on", r.id)
