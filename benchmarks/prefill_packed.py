@@ -10,11 +10,14 @@ them), each strategy filling a cache per prompt as the engine does:
                 is wasted; its outputs are not used)
 The three run in turn within each repeat (host drift hits all alike); the median time per strategy gives
 prompt tokens per second and the speedups over one-at-a-time. Before timing, the packed prefill's last-token
-logits are checked against one-at-a-time (equal within 1e-4). Writes runs/bench/prefill_packed.json.
+logits are checked against one-at-a-time in fp64 (equal within 1e-9): in fp32 the two differ in rounding
+(1e-7 relative per layer), which can flip a router's near-tie and send one token to another expert, a
+difference of routing, not of the packing. Writes runs/bench/prefill_packed.json.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -65,9 +68,10 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(0, config.vocab_size - 1, (1, n), generator=g) for n in lengths]
     fns = strategies(model, prompts)
     with torch.no_grad():
-        err = ((fns["packed"]() - fns["one_at_a_time"]()).abs().max()).item()
-        if err > 1e-4:
-            raise SystemExit(f"packed prefill differs from one-at-a-time by {err}")
+        exact = strategies(copy.deepcopy(model).double(), prompts)
+        err = ((exact["packed"]() - exact["one_at_a_time"]()).abs().max()).item()
+        if err > 1e-9:
+            raise SystemExit(f"packed prefill differs from one-at-a-time by {err} in fp64")
         times = {k: [] for k in fns}
         for _ in range(1 + args.repeats):  # the first round warms up
             for k, fn in fns.items():
@@ -78,7 +82,7 @@ def main(argv=None) -> dict:
     tokens = sum(lengths)
     result = {
         "benchmark": "prefill_packed", "preset": config.name, "lengths": lengths, "prompt_tokens": tokens,
-        "threads": args.threads, "repeats": args.repeats, "max_abs_logit_diff_packed_vs_single": err,
+        "threads": args.threads, "repeats": args.repeats, "max_abs_logit_diff_packed_vs_single_fp64": err,
         "seconds": {k: round(v, 4) for k, v in med.items()},
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in med.items()},
         "packed_over_one_at_a_time": med["one_at_a_time"] / med["packed"],

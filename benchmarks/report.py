@@ -176,6 +176,14 @@ HEADLINES = {
         ("settings.harsh_head.gptq.ptq_recovery", "same: PTQ with GPTQ rounding, share of PTQ's cost removed", ""),
         ("settings.harsh_head.gptq.recovery_vs_rtn_ptq", "same: QAT, then GPTQ: recovery against round-to-nearest PTQ", ">= 0.8"),
     ],
+    "qat-released-k3-seeds40-45": [
+        ("fp32_val_loss_mean", "mini-s, the released forms, pre-registered seeds 40-45: fp32 val loss", ""),
+        ("settings.k3.ptq_degradation", "same, K3's setting (MXFP4 expert weights, MXFP8 expert inputs): PTQ val "
+                                        "loss - fp32 (nats)", ""),
+        ("settings.k3.ptq_degradation_sem", "standard error of that PTQ cost (nats)", ""),
+        ("settings.k3.qat_gap", "same: QAT (last 40 of 200 steps) val loss - fp32 (nats)", ""),
+        ("settings.k3.verdict", "same: the pre-registered rule", "recovery >= 0.8"),
+    ],
     "qat-mini-kdaeps-seeds18-25": [
         ("fp32_val_loss_mean", "mini (kda_norm_eps 1e-4), pre-registered seeds 18-25: fp32 val loss", ""),
         ("settings.harsh_head.ptq_degradation", "same, every linear W4A8: PTQ val loss - fp32 (nats)", ""),
