@@ -90,3 +90,15 @@ def test_packed_rows_need_batch_one_and_a_state_per_sequence():
         kda(*two, cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\] = \[2, 2, 16, 8\]"):
         kda(*xs[:5], initial_state=xs[5][:1], cu_seqlens=cu)
+
+
+def test_buckets_bound_the_padding():
+    from k3.ops.kda.varlen import MAX_PADDING, buckets
+
+    for lengths in ([16, 32, 64, 128, 256, 512, 1024, 2048], [1, 5, 70, 3, 130, 1], [7] * 9, [300]):
+        groups = buckets(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            longest = max(lengths[i] for i in g)
+            assert len(g) == 1 or len(g) * longest <= MAX_PADDING * sum(lengths[i] for i in g)
+    assert buckets([7] * 9) == [list(range(9))]  # equal lengths: one batch, no padding

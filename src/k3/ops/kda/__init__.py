@@ -18,7 +18,7 @@ import torch
 from k3.ops.kda.chunk import chunk_kda
 from k3.ops.kda.naive import naive_recurrent_kda
 from k3.ops.kda.recurrent import fused_recurrent_kda
-from k3.ops.kda.varlen import check_cu_seqlens, from_padded, pack_index, to_padded
+from k3.ops.kda.varlen import buckets, check_cu_seqlens, from_padded, pack_index, to_padded
 
 __all__ = ["kda", "chunk_kda", "naive_recurrent_kda", "fused_recurrent_kda", "choose_impl", "IMPLS"]
 
@@ -108,12 +108,20 @@ def kda(
     _check(q, k, v, g, beta, initial_state, n_seqs)
     impl = choose_impl(q) if impl is None else impl
     if cu_seqlens is not None and impl != "fla":
-        # one padded batch [N, T_max]: padding has g = 0 and beta = 0, so it leaves every state as it was
-        seq, pos, T_max = pack_index(cu_seqlens.to(q.device))
-        padded = [to_padded(x, seq, pos, n_seqs, T_max) for x in (q, k, v, g, beta)]
-        o, state = kda(*padded, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                       impl=impl)
-        return from_padded(o, seq, pos), state
+        # padded batches of similar lengths: padding has g = 0 and beta = 0, so it leaves every state as it was
+        cu = cu_seqlens.to(q.device)
+        c = cu.tolist()
+        o = v.new_empty(v.shape)
+        states = [None] * n_seqs
+        for group in buckets([b - a for a, b in zip(c, c[1:])]):
+            idx, row, pos, t_max = pack_index(cu, group)
+            padded = [to_padded(x, idx, row, pos, len(group), t_max) for x in (q, k, v, g, beta)]
+            init = None if initial_state is None else initial_state[group]
+            og, sg = kda(*padded, scale=scale, initial_state=init, output_final_state=output_final_state, impl=impl)
+            o = o.index_put((torch.zeros_like(idx), idx), from_padded(og, row, pos).to(o.dtype))
+            for j, i in enumerate(group):
+                states[i] = None if sg is None else sg[j:j + 1]
+        return o, (torch.cat(states) if output_final_state else None)
     args = (q, k, v, g, beta)
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state)
     if impl == "fla":

@@ -3,16 +3,20 @@
     cu_seqlens = [0, t_1, t_1 + t_2, ..., T]   int32 or int64 offsets of the sequence starts, then T
 
 The state starts from zero (or the sequence's own initial state) at every start and each sequence's final state
-comes back, so no information crosses a boundary. The packed row is laid out as a padded batch [N, T_max] whose
-padding tokens have g = 0 (no decay), beta = 0 (no write) and k = q = v = 0: they leave the state as it was and
-their outputs are dropped, so one batched call of any implementation computes every sequence exactly as if it ran
-alone (`naive_varlen_kda`, one call per sequence, is the reference the tests compare against).
+comes back, so no information crosses a boundary. Sequences of similar length are laid out together as a padded
+batch [n, t_max] whose padding tokens have g = 0 (no decay), beta = 0 (no write) and k = q = v = 0: they leave the
+state as it was and their outputs are dropped, so one batched call of any implementation computes each of them
+exactly as if it ran alone (`naive_varlen_kda`, one call per sequence, is the reference the tests compare
+against). `buckets` groups them so that padding adds at most half again to a group's tokens: eight prompts of
+16 ... 2048 tokens padded to one [8, 2048] batch did 4x the work of their 4,080 tokens.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cu_seqlens", "pack_index", "to_padded", "from_padded", "naive_varlen_kda"]
+__all__ = ["check_cu_seqlens", "buckets", "pack_index", "to_padded", "from_padded", "naive_varlen_kda"]
+
+MAX_PADDING = 1.5  # a bucket's padded tokens (count x its longest) stay within this factor of its real tokens
 
 
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> None:
@@ -39,23 +43,45 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> None:
                          f"cu_seqlens[{i}] = {c[i]} and cu_seqlens[{i + 1}] = {c[i + 1]}")
 
 
-def pack_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sequence id [T], position in its sequence [T], T_max) of each packed token."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    pos = torch.arange(seq.numel(), device=cu_seqlens.device) - cu_seqlens[:-1].long()[seq]
-    return seq, pos, int(lengths.max())
+def buckets(lengths: list[int]) -> list[list[int]]:
+    """Sequence indices grouped for padded batches, longest first: a sequence joins the current group while the
+    group's padded size stays within MAX_PADDING of its real tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[g[0]] <= MAX_PADDING * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
-def to_padded(x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, N: int, T_max: int) -> torch.Tensor:
-    """x [1, T, ...] packed -> [N, T_max, ...], zeros after each sequence's end (differentiable)."""
-    out = x.new_zeros(N, T_max, *x.shape[2:])
-    return out.index_put((seq, pos), x[0])
+def pack_index(cu_seqlens: torch.Tensor, seqs: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, int]:
+    """For the sequences `seqs` (default all), in that order: (their packed token indices [t], row in the padded
+    batch [t], position in the row [t], t_max)."""
+    c = cu_seqlens.tolist()
+    seqs = list(range(len(c) - 1)) if seqs is None else seqs
+    dev = cu_seqlens.device
+    idx = torch.cat([torch.arange(c[i], c[i + 1], device=dev) for i in seqs])
+    lengths = [c[i + 1] - c[i] for i in seqs]
+    row = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(lengths, device=dev))
+    pos = torch.cat([torch.arange(n, device=dev) for n in lengths])
+    return idx, row, pos, max(lengths)
 
 
-def from_padded(y: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """y [N, T_max, ...] -> [1, T, ...], the real tokens in packed order."""
-    return y[seq, pos].unsqueeze(0)
+def to_padded(x: torch.Tensor, idx: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, n: int,
+              t_max: int) -> torch.Tensor:
+    """x [1, T, ...] packed -> [n, t_max, ...] of the tokens `idx`, zeros after each sequence's end
+    (differentiable)."""
+    out = x.new_zeros(n, t_max, *x.shape[2:])
+    return out.index_put((row, pos), x[0, idx])
+
+
+def from_padded(y: torch.Tensor, row: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """y [n, t_max, ...] -> [t, ...], the real tokens in the order of their packed indices."""
+    return y[row, pos]
 
 
 def naive_varlen_kda(fn, q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False):
