@@ -225,7 +225,8 @@ def merge(args, argv) -> dict:
         runs.update({s: r for s, r in p["runs"].items() if all(v in r for v in variants)})
     result = {**{k: first[k] for k in ("benchmark", "preset", "quick", "configs", "budget", "bytes_per_token")},
               **summaries(runs, variants), "wall_s": sum(p["wall_s"] for p in parts),
-              "machine": [p["machine"] for p in parts], "merged_from": [p["command"] for p in parts],
+              "machine": parts[0]["machine"], "machines": [p["machine"] for p in parts],
+              "merged_from": [p["command"] for p in parts],
               "command": "python benchmarks/forms.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     write_result(args.out, result)
     report(result, args)

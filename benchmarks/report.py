@@ -219,8 +219,26 @@ HEADLINES = {
         ("earlier.min_log_decay.mean", "earlier forms: the same", ""),
         ("released.kda_share.mean", "released forms: KDA op fwd+bwd / whole training step", ""),
         ("earlier.kda_share.mean", "earlier forms: the same", ""),
-        ("released.tokens_per_s.mean", "released forms: training tokens/s (1 thread)", ""),
-        ("earlier.tokens_per_s.mean", "earlier forms: training tokens/s (1 thread)", ""),
+        ("released.tokens_per_s.mean", "released forms: training tokens/s over the runs (1 thread, beside other "
+                                       "jobs; forms-throughput below interleaves the two)", ""),
+        ("earlier.tokens_per_s.mean", "earlier forms: the same", ""),
+    ],
+    "forms-throughput": [
+        ("variants.released.tokens_per_s", "mini training tokens/s, released forms (steps interleaved with the "
+                                           "earlier forms' on the same batches, 1 thread)", ""),
+        ("variants.earlier.tokens_per_s", "same, earlier forms", ""),
+        ("released_over_earlier_tokens_per_s", "released / earlier training tokens/s", ""),
+    ],
+    "forms-loo-a": [
+        ("released_minus_released-no-kda_gate.val_bpb.mean", "mini seed 0, 150 steps: val bits/byte, released - "
+                                                             "released with Kimi-Linear's unbounded gate", ""),
+        ("released_minus_released-no-output_gate.val_bpb.mean", "same, - released with the earlier low-rank output "
+                                                                "gate", ""),
+        ("released_minus_released-no-mla_key.val_bpb.mean", "same, - released without the shared MLA key", ""),
+    ],
+    "forms-loo-b": [
+        ("released_minus_released-no-situ.val_bpb.mean", "same, - released with SwiGLU instead of SiTU", ""),
+        ("released_minus_released-no-latent_norm.val_bpb.mean", "same, - released without the latent norm", ""),
     ],
     "prefill_packed": [
         ("packed_over_one_at_a_time", "prefill of 8 prompts of 16-2048 tokens on mini: packed row vs one at a time "
