@@ -30,7 +30,7 @@ def _model_type(path: Path) -> str | None:
 
 
 def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
-    """(K3Model in eval mode, manifest dict) for any checkpoint k.load accepts. The manifest is k3's own for
+    """(K3Model in eval mode, manifest dict) for any checkpoint k3.load accepts. The manifest is k3's own for
     k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
     p = Path(path)
     mt = _model_type(p) if p.is_dir() else None
