@@ -10,30 +10,21 @@ any tensor.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
-from k3.io.kimi import CheckpointFormatError, is_kimi_folder, load_kimi
+from k3.io.kimi import CheckpointFormatError, config_model_type, is_kimi_folder, load_kimi
 
 __all__ = ["load", "load_with_manifest", "CheckpointFormatError", "is_kimi_folder"]
-
-
-def _model_type(path: Path) -> str | None:
-    try:
-        d = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return d.get("model_type") if isinstance(d, dict) else None
 
 
 def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
     """(K3Model in eval mode, manifest dict) for any checkpoint k3.load accepts. The manifest is k3's own for
     k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
     p = Path(path)
-    mt = _model_type(p) if p.is_dir() else None
+    mt = config_model_type(p) if p.is_dir() else None
     tok = p / "tokenizer.json"
     shipped = {"tokenizer": str(tok)} if tok.is_file() else {}  # an export's or a release's own tokenizer
     if mt in ("kimi_linear", "kimi_k3"):

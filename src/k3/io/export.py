@@ -13,14 +13,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from k3.config import K3Config
 from k3.fileio import atomic_dir
-from k3.io.kimi import (KIMI_TYPES, TOKEN_KEYS, CheckpointFormatError, Tensors, _resolve_names, is_kimi_folder, kimi_config,
-                        kimi_tensors, read_config, released_type, tensor_map, write_safetensors)
+from k3.io.kimi import (KIMI_TYPES, CheckpointFormatError, Tensors, _resolve_names, is_kimi_folder, kimi_config,
+                        kimi_tensors, read_config, released_type, tensor_map, token_ids, write_safetensors)
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tiktoken.model",
@@ -28,6 +27,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def _released_source(path: Path):
+    """(config, get, token ids) of a released folder, read tensor by tensor."""
     d, config = read_config(path)
     packed = bool(config.qat.get("expert_weights"))
     entries = {e.k3: e for e in tensor_map(config, d["model_type"], packed)}
@@ -38,7 +38,7 @@ def _released_source(path: Path):
         e = entries[name]
         return e.to_k3([tensors.get(chosen[n]) for n in e.names])
 
-    return config, get, None
+    return config, get, token_ids(d)
 
 
 def _k3_source(path: Path):
@@ -126,26 +126,21 @@ def export_kimi(src: str | os.PathLike, out: str | os.PathLike, model_type: str 
         raise ValueError(f"model_type {model_type!r}: use one of {', '.join(KIMI_TYPES)}")
     if not src.exists():
         raise ValueError(f"{src}: no such file or directory; give a k3 checkpoint, a k3 export or a released folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not (overwrite and is_kimi_folder(out)):
-            raise ValueError(f"{out} exists and is not empty" + ("" if overwrite else "; pass --overwrite to replace "
-                             "an earlier export there") + ("" if is_kimi_folder(out) or not overwrite else
-                             " and is not an earlier Kimi export (no released config.json): give an --out of its "
-                             "own"))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (overwrite and is_kimi_folder(out)):
+        fix = ("it is not an earlier Kimi export (no released config.json): give an --out of its own" if overwrite
+               else "pass --overwrite to replace an earlier export there")
+        raise ValueError(f"{out} exists and is not empty; {fix}")
     if src.resolve() == out.resolve():
         raise ValueError(f"--out {out} is the source itself; write the export elsewhere")
-    token_ids = None
+    ids, manifest = None, None
     if is_kimi_folder(src):
-        config, get, manifest = _released_source(src)
-        d = json.loads((src / "config.json").read_text(encoding="utf-8"))
-        text = d.get("text_config", d) if d.get("model_type") == "kimi_k3" else d
-        token_ids = {k: text.get(k, d.get(k)) for k in TOKEN_KEYS}
+        config, get, ids = _released_source(src)
     else:
         found = _k3_source(src) if src.is_dir() else None
         config, get, manifest = found if found is not None else _loaded_source(src)
     mt = model_type or released_type(config)
-    cfg_json = kimi_config(config, mt, token_ids)  # refuses what the layout cannot hold, before anything is written
-    if cfg_json.get("text_config", cfg_json).get("torch_dtype") and dtype is not None:
+    cfg_json = kimi_config(config, mt, ids)  # refuses what the layout cannot hold, before anything is written
+    if dtype is not None:
         cfg_json.get("text_config", cfg_json)["torch_dtype"] = str(dtype).removeprefix("torch.")
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n", encoding="utf-8")

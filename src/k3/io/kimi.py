@@ -169,6 +169,12 @@ def released_type(config: K3Config) -> str:
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def token_ids(d: dict) -> dict:
+    """bos/eos/pad_token_id of a released config.json (a kimi_k3 text_config's, else the top level's)."""
+    text = d.get("text_config", d) if d.get("model_type") == "kimi_k3" else d
+    return {k: text.get(k, d.get(k)) for k in TOKEN_KEYS}
+
+
 def kimi_config(config: K3Config, model_type: str | None = None, token_ids: dict | None = None) -> dict:
     """The released config.json for a k3 config (refusing what the release cannot say); `token_ids` gives
     bos/eos/pad_token_id (default: k3's tokenizer's, <|bos|> 0, <|eos|> 1, <|pad|> 2)."""
@@ -467,15 +473,17 @@ def _read_json(path: Path):
             from None
 
 
-def is_kimi_folder(path: str | os.PathLike) -> bool:
-    p = Path(path) / "config.json"
-    if not p.is_file():
-        return False
+def config_model_type(path: str | os.PathLike) -> str | None:
+    """The model_type of `path`/config.json, or None when there is no readable config object."""
     try:
-        d = json.loads(p.read_text(encoding="utf-8"))
+        d = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and d.get("model_type") in KIMI_TYPES
+        return None
+    return d.get("model_type") if isinstance(d, dict) else None
+
+
+def is_kimi_folder(path: str | os.PathLike) -> bool:
+    return config_model_type(path) in KIMI_TYPES
 
 
 def _resolve_names(entries: list[Entry], tensors: Tensors, where: Path) -> dict[str, str]:
