@@ -199,7 +199,7 @@ async def overload(url: str, n: int, prompt: list[int], max_tokens: int, timeout
 def engine_only(ckpt: Path, prompts: list[list[int]], max_batch: int, max_tokens: int, repeats: int) -> dict:
     """The same work through an in-process Engine (no HTTP): what the server adds on top of the model."""
     from k3.serve.engine import Engine
-    from k3.serve.sampling import SamplingParams
+    from k3.model.sampling import SamplingParams
     from k3.train.trainer import load_trained_model
 
     model, _ = load_trained_model(ckpt)

@@ -5,7 +5,7 @@ import torch
 from k3.model.cache import HybridCache, MLACache
 from k3.serve.chat import ChatOutputParser, parse_reply, render, stop_token_ids
 from k3.serve.engine import ContextLengthError, Engine, EngineFull
-from k3.serve.sampling import SamplingError, SamplingParams, apply_penalties, sample_next
+from k3.model.sampling import SamplingError, SamplingParams, apply_penalties, sample_next
 
 NO_EOS = -1  # an eos id no token has: lengths are decided by max_tokens alone
 

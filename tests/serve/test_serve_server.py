@@ -18,7 +18,7 @@ import uvicorn
 
 from k3.serve.chat import render, stop_token_ids
 from k3.serve.engine import Engine
-from k3.serve.sampling import SamplingParams
+from k3.model.sampling import SamplingParams
 from k3.serve.server import create_app, load_for_serving
 
 MODEL = "k3-test"

@@ -284,7 +284,7 @@ class K3EnginePolicy(Policy):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r} must be a positive integer")
         from k3.serve.chat import stop_token_ids
-        from k3.serve.sampling import SamplingParams
+        from k3.model.sampling import SamplingParams
         self.model, self.tokenizer, self.name = model, tokenizer, name
         if max_context is None and model is None:
             raise ValueError("K3EnginePolicy with a generate function needs max_context")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from k3.distill.effort import END_ID, END_THINK_ID, EOS_ID, split_completion
 from k3.distill.sft import PAD_ID
 from k3.model.cache import HybridCache
-from k3.serve.sampling import sample_next
+from k3.model.sampling import sample_next
 
 STOP_IDS = (END_ID, EOS_ID)
 

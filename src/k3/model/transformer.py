@@ -17,6 +17,7 @@ from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
 from k3.ops.glu import glu_for
 from k3.model.moe import GatedMLP, MoE
+from k3.model.sampling import SamplingParams, sample_next
 from k3.model.segments import Segments
 from k3.quant.fake import apply_linear_qat
 
@@ -166,8 +167,6 @@ class K3Model(nn.Module):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
         """Minimal cached sampling loop: prefill once, then one token at a time. [B, T] -> [B, T + new]."""
-        from k3.serve.sampling import SamplingParams  # the server's checks; serve imports the model
-
         if not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"input_ids must be an integer tensor [B, T], got {type(input_ids).__name__}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -187,11 +186,3 @@ class K3Model(nn.Module):
             if i + 1 < max_new_tokens:  # the last token needs no forward of its own
                 logits = self(nxt, cache)[:, -1]
         return torch.cat(out, dim=1)
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> next ids [B, 1]; temperature 0 is greedy; top_p keeps the smallest nucleus."""
-    from k3.serve.sampling import sample_next as _sample_next  # the one sampler; serve imports the model
-
-    return _sample_next(logits, temperature, top_p, generator)

@@ -32,7 +32,7 @@ import torch
 
 from k3.data.tokenizer import SPECIAL_TOKENS
 from k3.model.cache import HybridCache
-from k3.serve.sampling import SamplingParams, sample_row
+from k3.model.sampling import SamplingParams, sample_row
 
 log = logging.getLogger(__name__)
 
