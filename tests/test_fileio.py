@@ -68,3 +68,21 @@ def test_an_hf_export_killed_between_its_renames_is_recovered(tmp_path):
     old.mkdir()  # the new export was in place: the old one is only removed
     _recover_killed_export(out)
     assert not old.exists() and (out / "config.json").is_file()
+
+
+def test_loads_json_refuses_absurd_nesting_with_a_decode_error(tmp_path):
+    import json
+
+    from k3.fileio import MAX_JSON_DEPTH, JSONTooDeep, loads_json, read_json
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(JSONTooDeep, match="nested deeper than") as e:
+        loads_json(deep)
+    assert isinstance(e.value, json.JSONDecodeError) and e.value.pos == MAX_JSON_DEPTH  # where the limit was passed
+    ok = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert loads_json(ok) == json.loads(ok)
+    assert loads_json(b'{"a": "[[[[{{{{", "b": [1]}', max_depth=2) == {"a": "[[[[{{{{", "b": [1]}  # strings don't nest
+    (tmp_path / "m.json").write_text('{"a": ' * 5000 + "1" + "}" * 5000)
+    with pytest.raises(ValueError, match=r"m.json: the manifest is not valid JSON \(nested deeper") as e:
+        read_json(tmp_path / "m.json", "manifest")
+    assert "\n" not in str(e.value)

@@ -5,12 +5,17 @@ goes through `atomic_open`: a temporary file beside the target, fsync, `os.repla
 the directory so the rename itself survives a crash. On any error the temporary file is removed and the
 target is left as it was. A process killed in between (SIGKILL, power loss) leaves its temporary file,
 named `.TARGET.PID-*.tmp`; the next write of the same target removes those of processes that are gone.
+
+JSON that a user, a checkpoint or an agent supplies is read with `loads_json` / `read_json`, which refuse absurd
+nesting with an error message instead of a RecursionError.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -143,3 +148,55 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- bounded JSON reads
+# json.loads recurses once per nesting level: a file (a manifest, a config, a task, an agent's workspace) a few
+# thousand levels deep raised RecursionError, a traceback instead of an error message. No honest file comes near
+# this depth; the deepest report the sandbox sends (64 Python levels, each up to 3 JSON ones) stays below it.
+MAX_JSON_DEPTH = 256
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_NOT_BRACKET = re.compile(r'[^\[\]{}]+')
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+class JSONTooDeep(json.JSONDecodeError):
+    """JSON nested deeper than the limit. A JSONDecodeError (so a ValueError): every reader that names a file that
+    is not valid JSON names this one the same way."""
+
+
+def json_depth_error(text: str, max_depth: int = MAX_JSON_DEPTH) -> JSONTooDeep | None:
+    """The error for `text` if its arrays and objects nest deeper than `max_depth`, else None; linear time."""
+    if text.count("[") + text.count("{") <= max_depth:  # most documents: no scan at all
+        return None
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    if max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0) <= max_depth:
+        return None
+    depth = 0
+    for m in _JSON_TOKEN.finditer(text):  # only for the error: where the limit was passed
+        depth += _STEP.get(m.group(), 0)
+        if depth > max_depth:
+            return JSONTooDeep(f"nested deeper than {max_depth} levels (arrays/objects within each other)",
+                               text, m.start())
+    return None
+
+
+def loads_json(data: str | bytes, max_depth: int = MAX_JSON_DEPTH):
+    """json.loads that refuses nesting deeper than `max_depth` with JSONTooDeep (a json.JSONDecodeError) instead of
+    recursing into a RecursionError."""
+    text = data.decode(json.detect_encoding(data), "surrogatepass") if isinstance(data, (bytes, bytearray)) else data
+    err = json_depth_error(text, max_depth)
+    if err is not None:
+        raise err
+    return json.loads(text)
+
+
+def read_json(path: str | os.PathLike, what: str = "file", max_depth: int = MAX_JSON_DEPTH):
+    """The JSON value in `path`; a file that cannot be read or is not (bounded) JSON is a one-line ValueError."""
+    try:
+        return loads_json(Path(path).read_bytes(), max_depth)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: the {what} is not valid JSON ({e})") from None
