@@ -27,7 +27,7 @@ from k3.config import K3Config
 from k3.model.cache import MLACache
 from k3.model.checks import check_dtype
 from k3.ops.amp import at_least_fp32
-from k3.quant.fake import fake_quant
+from k3.ops.mx.fake import fake_quant
 
 
 class GatedMLA(nn.Module):

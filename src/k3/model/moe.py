@@ -37,7 +37,8 @@ from k3.config import K3Config
 from k3.model.checks import check_dtype, check_tensor
 from k3.ops.amp import at_least_fp32, no_autocast
 from k3.ops.glu import glu_for, silu_glu
-from k3.quant.fake import fake_quant, qat_format
+from k3.model.qat import qat_format
+from k3.ops.mx.fake import fake_quant
 
 IMPLS = ("naive", "loop", "grouped")
 GROUPED_BACKENDS = ("auto", "grouped_mm", "bmm", "slices")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from k3.fileio import atomic_write_text, default_mode, pid_alive
+from k3.fileio import atomic_write_text, default_mode, loads_json, pid_alive
 from k3.fileio import fsync_dir as _fsync_dir
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ def read_manifest(ckpt: str | os.PathLike, verify: bool | str = True) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {ckpt} is not a complete checkpoint")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = loads_json(path.read_text())  # a JSONDecodeError past absurd nesting
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); the checkpoint is corrupted") from None
     way_out = (f"the checkpoint is corrupted: delete {ckpt} and resume from an earlier step (`latest` falls back "
