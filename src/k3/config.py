@@ -310,9 +310,11 @@ def read_config_file(path, flag: str = "--config") -> dict:
     """The JSON object of config fields in `path` (K3ConfigError naming the flag and the file otherwise)."""
     import json
 
+    from k3.fileio import loads_json
+
     try:
         with open(path, encoding="utf-8") as f:
-            d = json.load(f)
+            d = loads_json(f.read())  # a JSONDecodeError past absurd nesting
     except FileNotFoundError:
         raise K3ConfigError(f"{flag} {path}: no such file; give the path of a config JSON "
                             "(`k3 config --preset NAME > FILE.json` writes one)") from None
