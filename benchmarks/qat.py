@@ -70,7 +70,8 @@ from k3.data import DEFAULT_VOCAB_SIZE, prepare_data
 from k3.fileio import atomic_write_json
 from k3.model.transformer import K3Model
 from k3.model.moe import RoutedExperts
-from k3.quant.fake import QATLinear, fake_quant
+from k3.model.qat import QATLinear
+from k3.ops.mx.fake import fake_quant
 from k3.quant.gptq import GPTQLinear, gptq_linears_, gptq_roundable
 from k3.train.trainer import TrainConfig, Trainer, evaluate
 

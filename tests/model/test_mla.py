@@ -96,7 +96,7 @@ def test_absorbed_equals_naive_prefill_and_decode(layer):
 def test_absorbed_equals_naive_with_qat_linears(fmt, act):
     """QAT on the linears: the absorbed decode reads wkv_b's weight directly, so it must fake-quantize it (and
     the cached latent, wkv_b's input) as the naive path's QATLinear does; it used the full-precision weight."""
-    from k3.quant.fake import QATLinear
+    from k3.model.qat import QATLinear
 
     m = make(mla_kv_lora_rank=64)
     for name in ("wq_a", "wq_b", "wkv_a", "wkv_b", "w_gate", "wo"):

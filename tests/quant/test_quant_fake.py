@@ -7,7 +7,8 @@ from k3.config import K3ConfigError, get_config
 from k3.model.moe import MoE, RoutedExperts
 from k3.model.transformer import K3Model
 from k3.ops.mx import dequantize_mx, quantize_mx
-from k3.quant import QATLinear, fake_quant, parse_qat, qat_format
+from k3.model.qat import QATLinear, parse_qat, qat_format
+from k3.ops.mx.fake import fake_quant
 
 K3_QAT = {"expert_weights": "mxfp4", "activations": "mxfp8"}
 

@@ -6,8 +6,8 @@ import torch
 from k3.config import get_config
 from k3.model.transformer import K3Model
 from k3.ops.mx import fake_quantize_mx
-from k3.quant import QATLinear
-from k3.quant.fake import fake_quant
+from k3.model.qat import QATLinear
+from k3.ops.mx.fake import fake_quant
 from k3.quant.gptq import GPTQLinear, block_scales, gptq_linears_, gptq_mx, output_error, round_to_scale
 
 

@@ -64,7 +64,7 @@ def test_quantize_head_shares_the_weight_and_quantizes(qat_bench):
 
     from k3.config import get_config
     from k3.model.transformer import K3Model
-    from k3.quant.fake import QATLinear
+    from k3.model.qat import QATLinear
 
     torch.manual_seed(0)
     model = K3Model(get_config("tiny"))
@@ -268,7 +268,7 @@ def test_code_tracker_counts_changes_and_reverts(qat_bench):
     elsewhere is a change that is not one."""
     import torch
 
-    from k3.quant.fake import QATLinear
+    from k3.model.qat import QATLinear
 
     lin = QATLinear(torch.nn.Linear(32, 2, bias=False), "mxfp4")
     with torch.no_grad():
@@ -395,7 +395,7 @@ def test_head_only_settings_quantize_what_they_name(qat_bench):
 
     from k3.config import get_config
     from k3.model.transformer import K3Model
-    from k3.quant.fake import fake_quant
+    from k3.ops.mx.fake import fake_quant
     from k3.quant.gptq import gptq_roundable
 
     x = torch.randn(3, 64)

@@ -1,4 +1,4 @@
-"""Fake quantization for QAT: MX quantize-dequantize in forward, a straight-through estimator in backward.
+"""Quantization-aware training: what `config.qat` fake-quantizes, and the linear layer that does it.
 
 `config.qat` says what is fake-quantized, and the model reads it at construction:
     expert_weights  routed-expert weights w1, w3, w2, in blocks of 32 along the reduction (input) dim
@@ -9,11 +9,8 @@
 Each value is "mxfp4", "mxfp8" or "none"/None. Post-training quantization is therefore just: build the model
 with a qat config and load full-precision weights into it.
 
-Straight-through estimator (Bengio et al., arXiv 1308.3432): forward returns dequantize(quantize(x)) exactly
-(`k3.ops.mx.fake_quantize_mx`); backward passes the gradient unchanged, d fq(x) / dx := I. MX has no fixed
-clipping range to mask: each block's scale follows its own max, so only elements between the largest normal
-and the next power of two (6X..8X for E2M1) saturate, and the block's largest element is often one of them;
-zeroing its gradient would freeze exactly the weights that set the scale, so nothing is masked.
+The fake quantization itself (MX quantize-dequantize forward, straight-through backward) is the op
+`k3.ops.mx.fake.fake_quant`.
 """
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config, K3ConfigError
-from k3.ops.mx import fake_quantize_mx
+from k3.ops.mx.fake import fake_quant
 
-BLOCK = 32
 QAT_KEYS = ("expert_weights", "activations", "linears")
 DEFAULT_QAT = {"expert_weights": "mxfp4", "activations": "mxfp8"}
 
@@ -53,36 +49,6 @@ def parse_qat(spec: str | None, base: dict | None = None) -> dict:
                              "and FORMAT one of mxfp4, mxfp8, none (e.g. --qat linears=mxfp4)")
         qat[key] = value
     return qat
-
-
-class _MXFakeQuant(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, fmt: str) -> torch.Tensor:
-        return fake_quantize_mx(x, fmt, BLOCK)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None  # straight through: the identity's gradient
-
-
-def fake_quant(x: torch.Tensor, fmt: str | None, dim: int = -1) -> torch.Tensor:
-    """x [..., n, ...] -> same shape and dtype, MX-quantized and dequantized in blocks of 32 along `dim`.
-
-    Gradient: straight through. A `dim` whose size is not a multiple of 32 is padded with zeros for the
-    rounding (a zero never changes a block's scale) and sliced back. fmt None returns x.
-    """
-    if fmt is None:
-        return x
-    moved = dim not in (-1, x.dim() - 1)
-    y = x.transpose(dim, -1) if moved else x
-    n = y.shape[-1]
-    pad = -n % BLOCK
-    if pad:
-        y = F.pad(y, (0, pad))
-    y = _MXFakeQuant.apply(y, fmt)
-    if pad:
-        y = y[..., :n]
-    return y.transpose(dim, -1) if moved else y
 
 
 class QATLinear(nn.Linear):

@@ -19,7 +19,7 @@ from k3.ops.glu import glu_for
 from k3.model.moe import GatedMLP, MoE
 from k3.model.sampling import SamplingParams, sample_next
 from k3.model.segments import Segments
-from k3.quant.fake import apply_linear_qat
+from k3.model.qat import apply_linear_qat
 
 
 class Block(nn.Module):

@@ -1,9 +1,8 @@
-"""Quantization-aware training and packed MX export.
+"""Quantized weights: packed MX routed experts, GPTQ rounding, checkpoint bytes.
 
-    fake      fake-quant with a straight-through estimator; what `config.qat` switches on
-    export    `k3 export --format mx`: packed MXFP4 routed experts, and the model that runs from them
+    export    packed MXFP4 routed experts (`k3 export --format mx` writes them), and the model that runs from them
+    gptq      GPTQ rounding onto the MX grid
     sizes     checkpoint bytes by component and precision, from the real (meta) modules
-"""
-from k3.quant.fake import DEFAULT_QAT, QAT_KEYS, QATLinear, apply_linear_qat, fake_quant, parse_qat, qat_format
 
-__all__ = ["DEFAULT_QAT", "QAT_KEYS", "QATLinear", "apply_linear_qat", "fake_quant", "parse_qat", "qat_format"]
+QAT itself, what `config.qat` switches on, is part of the model (k3.model.qat) over the op k3.ops.mx.fake.
+"""

@@ -28,9 +28,10 @@ import torch
 
 from k3.config import K3Config
 from k3.model.moe import RoutedExperts, routed_experts_on_meta
+from k3.model.qat import qat_format
 from k3.ops.glu import silu_glu
 from k3.ops.mx import dequantize_mx, quantize_mx
-from k3.quant.fake import BLOCK, qat_format
+from k3.ops.mx.fake import BLOCK
 from k3.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.model.qat import QATLinear
 from k3.ops.mx import MX_FORMATS, fake_quantize_mx, quantize_mx
+from k3.ops.mx.fake import fake_quant
 from k3.ops.mx.formats import _e2m1_magnitude, _e2m1_values
-from k3.quant.fake import QATLinear, fake_quant
 
 BLOCK = 32
 

@@ -125,7 +125,7 @@ def _with_qat(config, args):
     already holds (--set qat=... or --config), then SPEC's items."""
     if getattr(args, "qat", None) is None:
         return config
-    from k3.quant import parse_qat
+    from k3.model.qat import parse_qat
 
     return config.replace(qat=parse_qat(args.qat, config.qat))
 
