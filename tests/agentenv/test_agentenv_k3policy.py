@@ -61,7 +61,7 @@ def test_engine_policy_runs_real_episodes(model, tok, task, sandbox):
             assert rec["parse_errors"] == 3  # random text is no tool call; each gets an error message back
             assert all(m["content"].strip() for m in rec["transcript"][3::2])
         # the policy's token ids: the first turn is the chat template of the transcript, then its own samples
-        from k3.serve.chat import render
+        from k3.data.chat import render
         first = render(rec["transcript"][:2], tok)
         assert p.ids[:len(first)] == first
         assert sum(p.policy_mask) == sum(len(t["output_ids"]) for t in p.turns)
@@ -148,7 +148,7 @@ def _serve(app):
 def test_http_policy_against_k3_server(model, tok, task, sandbox):
     """OpenAIChatPolicy -> `k3 serve`'s app on 127.0.0.1 -> engine -> reply -> dialect -> sandbox -> verifier.
     The server's first reply is the local engine policy's greedy reply to the same transcript."""
-    from k3.serve.chat import parse_reply
+    from k3.data.chat import parse_reply
     from k3.serve.engine import Engine
     from k3.serve.server import create_app
     app = create_app(Engine(model, tok, max_batch=2, max_queue=4), MODEL)

@@ -7,7 +7,7 @@ from k3.agentenv.rollout import run_episode
 from k3.rl.demos import DemoPolicy, collect_demos, episode_tokens
 from k3.rl.family import ITEMS, KINDS, WORDS, task_spec
 from k3.rl.harness import UNSEEN_ARGS, UNSEEN_TOOLS, _camel, episode_config, unseen_variant, variant_of
-from k3.serve.chat import render
+from k3.data.chat import render
 
 
 def test_tasks_are_verified_by_their_checks(rl_tasks, sandbox_ok):

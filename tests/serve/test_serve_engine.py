@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from k3.model.cache import HybridCache, MLACache
-from k3.serve.chat import ChatOutputParser, parse_reply, render, stop_token_ids
+from k3.data.chat import ChatOutputParser, parse_reply, render, stop_token_ids
 from k3.serve.engine import ContextLengthError, Engine, EngineFull
 from k3.model.sampling import SamplingError, SamplingParams, apply_penalties, sample_next
 

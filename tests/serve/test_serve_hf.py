@@ -227,7 +227,7 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_hf_chat_template_renders_the_ids_of_render(tok, tmp_path, add_generation_prompt):
-    from k3.serve.chat import render
+    from k3.data.chat import render
     to_hf_tokenizer(tok).save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)  # the template survives a save and load
     for messages, tools, effort in CONVERSATIONS:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import uvicorn
 
-from k3.serve.chat import render, stop_token_ids
+from k3.data.chat import render, stop_token_ids
 from k3.serve.engine import Engine
 from k3.model.sampling import SamplingParams
 from k3.serve.server import create_app, load_for_serving

@@ -260,7 +260,7 @@ class ContextExceeded(PolicyError):
 
 class K3EnginePolicy(Policy):
     """A k3 model answering through the generation engine (`k3.serve.engine`), with the chat template of
-    `k3.serve.chat`: the episode's system prompt (the dialect's tool specs) and messages are rendered to
+    `k3.data.chat`: the episode's system prompt (the dialect's tool specs) and messages are rendered to
     token ids, and the reply is sampled until `<|end|>`, `<|eos|>` or a role token.
 
     The policy keeps the episode's token ids exactly as the model saw and sampled them (`ids`, with
@@ -283,7 +283,7 @@ class K3EnginePolicy(Policy):
             raise ValueError("K3EnginePolicy needs a model (or a generate function)")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens = {max_tokens!r} must be a positive integer")
-        from k3.serve.chat import stop_token_ids
+        from k3.data.chat import stop_token_ids
         from k3.model.sampling import SamplingParams
         self.model, self.tokenizer, self.name = model, tokenizer, name
         if max_context is None and model is None:
@@ -317,7 +317,7 @@ class K3EnginePolicy(Policy):
         return r.output_ids, r.text, r.finish_reason
 
     def _prompt(self, transcript: list[dict]) -> list[int]:
-        from k3.serve.chat import render
+        from k3.data.chat import render
         k = self._known
         if (k and len(transcript) > k and transcript[k - 1].get("role") == "assistant"
                 and transcript[k - 1].get("content") == self._last_text):

@@ -1,6 +1,6 @@
 """Inference effort: the effort token a prompt carries, its thinking budget, and the prompt format.
 
-A prompt is the chat template's generation prompt for one user turn (k3.serve.chat.render), which ends
+A prompt is the chat template's generation prompt for one user turn (k3.data.chat.render), which ends
 in the effort token, followed by `<|think|>`, so the reply opens the reasoning span:
 
     <|bos|><|user|>{problem}<|end|><|assistant|><|effort:E|><|think|>   <- prompt
@@ -87,7 +87,7 @@ def effort_of_ids(ids: Sequence[int]) -> str:
 
 def build_prompt(text: str, effort: str, tokenizer) -> list[int]:
     """Token ids of the prompt for problem `text` at `effort` (see the module docstring)."""
-    from k3.serve.chat import render
+    from k3.data.chat import render
 
     check_effort(effort)
     if _EFFORT_RE.search(text):

@@ -21,7 +21,7 @@ import torch
 from k3.agentenv.actions import action_from_json
 from k3.agentenv.policies import EpisodeInfo, Policy, PolicyError
 from k3.agentenv.rollout import EpisodeConfig, run_episode
-from k3.serve.chat import render
+from k3.data.chat import render
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
-from k3.serve.chat import CHAT_TEMPLATE, STOP_TOKENS
+from k3.data.chat import CHAT_TEMPLATE, STOP_TOKENS
 from k3.fileio import atomic_dir, pid_alive, writer_pid
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router

@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3.data.chat import ChatFormatError, ChatOutputParser, parse_reply, render, stop_token_ids
 from k3.model.sampling import SamplingError, SamplingParams
-from k3.serve.chat import ChatFormatError, ChatOutputParser, parse_reply, render, stop_token_ids
 from k3.serve.engine import ContextLengthError, Engine, EngineFull, TokenEvent
 
 log = logging.getLogger(__name__)
