@@ -54,7 +54,7 @@ def test_an_hf_export_killed_between_its_renames_is_recovered(tmp_path):
     is in place) and removes the unfinished `.hf.tmp-*`."""
     import os
 
-    from k3.serve.hf import _recover_killed_export
+    from k3.io.hf import _recover_killed_export
 
     out = tmp_path / "hf"
     old = tmp_path / ".hf.old-999999999-abc"

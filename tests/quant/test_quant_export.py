@@ -201,7 +201,7 @@ def test_export_refuses_bad_requests(tmp_path):
     ckpt.save_checkpoint(tmp_path / "early", 3, m, None, m.config)
     assert export_mx(tmp_path / "early", tmp_path / "later", overwrite=True).name == "step_000003"
     assert [p.name for _, p in ckpt.step_dirs(tmp_path / "later")] == ["step_000003"]
-    from k3.serve.hf import export_hf
+    from k3.io.hf import export_hf
 
     with pytest.raises(ValueError, match=f"packed MX export.*instead \\({src}"):  # HF wants fp32 experts
         export_hf(tmp_path / "ex", tmp_path / "hf")

@@ -14,7 +14,7 @@ from k3.config import get_config  # noqa: E402
 from k3.data.corpus import open_corpus  # noqa: E402
 from k3.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer  # noqa: E402
 from k3.model.transformer import K3Model  # noqa: E402
-from k3.serve.hf import (K3ForCausalLM, K3GenerationCache, K3HFConfig, check_tokenizer, export_hf,  # noqa: E402
+from k3.io.hf import (K3ForCausalLM, K3GenerationCache, K3HFConfig, check_tokenizer, export_hf,  # noqa: E402
                          load_hf, to_hf_tokenizer)
 from k3.train.checkpoint import save_checkpoint  # noqa: E402
 

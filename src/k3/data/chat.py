@@ -155,7 +155,7 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
 
 
 # The same format as a Jinja template, for `tokenizer.apply_chat_template` on an exported HF tokenizer
-# (`k3.serve.hf.to_hf_tokenizer` sets it). For text content and tool-call arguments given as objects it
+# (`k3.io.hf.to_hf_tokenizer` sets it). For text content and tool-call arguments given as objects it
 # renders exactly what `render` encodes (tests/serve/test_serve_hf.py compares the ids). Two differences
 # follow from a template producing a string rather than ids: text that spells a special token ("<|end|>")
 # becomes that token when the string is tokenized, and arguments given as a JSON string are inserted as

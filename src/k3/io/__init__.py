@@ -33,7 +33,7 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
         return model, {"path": str(p), "step": None, "source": str(p), "model_type": mt,
                        "config": model.config.to_dict(), "data": shipped}
     if mt == "k3":
-        from k3.serve.hf import load_hf
+        from k3.io.hf import load_hf
 
         hf, _ = load_hf(p, device=device if str(device) != "meta" else "cpu")
         model = hf.model

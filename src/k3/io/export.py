@@ -105,7 +105,7 @@ def _write_tokenizer(src: Path, manifest: dict | None, config: K3Config, tmp: Pa
     if not named:
         return None
     from k3.data.tokenizer import load_tokenizer
-    from k3.serve.hf import check_tokenizer, to_hf_tokenizer
+    from k3.io.hf import check_tokenizer, to_hf_tokenizer
 
     try:
         tok = load_tokenizer(named)

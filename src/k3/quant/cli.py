@@ -13,14 +13,14 @@ FORMATS = ("mx", "hf", "kimi")
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from k3.serve.hf import export_hf
+    from k3.io.hf import export_hf
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise ValueError(f"{out} exists and is not empty; pass --overwrite to replace it or choose another --out")
     path = export_hf(args.ckpt, out, tokenizer_path=args.tokenizer)
     print(f"exported {args.ckpt} -> {path} (HF transformers: config.json, model.safetensors, tokenizer files)")
-    print(f"load it: import k3.serve.hf; AutoModelForCausalLM.from_pretrained({str(path)!r})")
+    print(f"load it: import k3.io.hf; AutoModelForCausalLM.from_pretrained({str(path)!r})")
     return 0
 
 

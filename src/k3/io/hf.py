@@ -1,6 +1,6 @@
 """HF transformers integration: `K3HFConfig`, `K3ForCausalLM`, tokenizer export, checkpoint conversion.
 
-    import k3.serve.hf                      # registers model_type "k3" with AutoConfig / AutoModelForCausalLM
+    import k3.io.hf                      # registers model_type "k3" with AutoConfig / AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)   # a PreTrainedTokenizerFast with k3's special tokens
     out = model.generate(**tok("def f(x):", return_tensors="pt"), max_new_tokens=32)
@@ -259,7 +259,7 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
                 model_type = json.loads((path / "config.json").read_text()).get("model_type")
                 if model_type != MODEL_TYPE:
                     raise ValueError(f"{path / 'config.json'} has model_type {model_type!r}, not {MODEL_TYPE!r}: "
-                                     "it is not a k3 model (export one with k3.serve.hf.export_hf)")
+                                     "it is not a k3 model (export one with k3.io.hf.export_hf)")
                 config = K3HFConfig.from_pretrained(path)
             check_weights(path, config)
         try:
@@ -269,7 +269,7 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             if "mismatch" not in str(err).lower():
                 raise
             raise ValueError(f"the weights in {pretrained_model_name_or_path} do not fit its config.json ({err}); "
-                             "export the checkpoint again with k3.serve.hf.export_hf") from None
+                             "export the checkpoint again with k3.io.hf.export_hf") from None
         check_loading_info(info, pretrained_model_name_or_path)
         return (model, info) if want_info else model
 
@@ -279,7 +279,7 @@ def _mismatch_error(where, missing, unexpected, mismatched) -> ValueError:
              (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)) if v]
     return ValueError(f"the weights in {where} do not match the model its config.json describes: "
                       f"{', '.join(parts)}; the weights come from a different config — export the checkpoint "
-                      "again with k3.serve.hf.export_hf")
+                      "again with k3.io.hf.export_hf")
 
 
 def check_weights(path: str | os.PathLike, config: K3HFConfig) -> None:
@@ -293,7 +293,7 @@ def check_weights(path: str | os.PathLike, config: K3HFConfig) -> None:
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
         (["model.safetensors"] if (path / "model.safetensors").is_file() else [])
     if not files:
-        raise ValueError(f"{path} holds no model.safetensors; export the checkpoint with k3.serve.hf.export_hf")
+        raise ValueError(f"{path} holds no model.safetensors; export the checkpoint with k3.io.hf.export_hf")
     stored = {}
     for name in files:
         with safe_open(str(path / name), framework="pt") as f:
@@ -440,7 +440,7 @@ def load_hf(path: str | os.PathLike, device: str | torch.device = "cpu"):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} holds no config.json; export a checkpoint with k3.serve.hf.export_hf")
+        raise ValueError(f"{path} holds no config.json; export a checkpoint with k3.io.hf.export_hf")
     model = K3ForCausalLM.from_pretrained(path).to(device).eval()
     tok = None
     if (path / "tokenizer.json").is_file():
