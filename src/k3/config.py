@@ -1,7 +1,8 @@
 """K3Config: the one object that drives every part of k3.
 
 Presets are data (`PRESETS`), not subclasses. `validate()` raises `K3ConfigError` naming the field and
-the fix; every constructor in k3 calls it, so an inconsistent config fails before any tensor exists.
+the fix. It runs where a config is made (`from_dict`, `replace`, `get_config`) and where a model is built from
+one (`K3Model`), so an inconsistent config fails before any tensor exists; the layers trust it.
 """
 from __future__ import annotations
 

@@ -288,51 +288,27 @@ def test_shared_experts_fuse_into_one_swiglu():
 
 
 def test_errors_name_the_expected_shape():
+    """The layers trust their caller: K3Model.forward names a bad input; the knobs a user sets are checked."""
+    from k3.model.transformer import K3Model
+
     cfg = get_config("tiny")
+    model = K3Model(cfg)
+    for bad, match in ((torch.zeros(4, dtype=torch.long), r"integer tensor \[B, T\]"), (torch.zeros(1, 4), "integer tensor"),
+                       ([[0] * 4], "integer tensor"), (torch.tensor([[0, cfg.vocab_size]]), "outside the vocabulary")):
+        with pytest.raises(ValueError, match=match):  # ids outside the vocabulary would route nothing sensible
+            model(bad)
     m = MoE(cfg)
-    with pytest.raises(ValueError, match=r"\[B, T, d_model=64\]"):
-        m(torch.randn(4, cfg.d_model))
-    with pytest.raises(ValueError, match=r"\[B, T, d_model=64\]"):
-        m(torch.randn(1, 4, cfg.d_model + 1))
-    with pytest.raises(ValueError, match="float"):
-        m(torch.zeros(1, 4, cfg.d_model, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"MoE expects x of shape \[B, T, d_model=64\] in the layer's dtype torch.float32"):
-        m(torch.randn(1, 4, cfg.d_model, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"Router expects a float tensor"):
-        m.router(torch.zeros(3, cfg.d_model, dtype=torch.long))
     with pytest.raises(ValueError, match="impl"):
         m.impl = "fast"
-    with pytest.raises(ValueError, match="Router expects"):
-        m.router(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="dtype"):  # fp64 tokens in fp32 layers: torch's own error
+        m(torch.randn(1, 4, cfg.d_model, dtype=torch.float64))
     ex = RoutedExperts(4, 8, 16)
-    with pytest.raises(ValueError, match="RoutedExperts expects"):
-        ex(torch.randn(3, 8), torch.ones(3, 2), torch.zeros(2, 2, dtype=torch.long))
     ids, w = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
-    with pytest.raises(ValueError, match=r"RoutedExperts expects a float tensor x of shape \[N, 8\]"):
-        ex(torch.zeros(3, 8, dtype=torch.long), w, ids)
-    with pytest.raises(ValueError, match=r"RoutedExperts expects x of shape \[N, 8\] in the layer's dtype"):
-        ex(torch.randn(3, 8, dtype=torch.float64), w, ids)
-    with pytest.raises(ValueError, match=r"integer expert ids"):
-        ex(torch.randn(3, 8), w, ids.float())
-    for bad_id in (4, -1):
-        with pytest.raises(ValueError, match=r"has experts 0..3, got expert ids from"):
-            ex(torch.randn(3, 8), w, torch.full((3, 2), bad_id))
-    with pytest.raises(ValueError, match="weights is a list"):
-        ex(torch.randn(3, 8), [[1.0, 1.0]] * 3, ids)
-    for layer, x in ((m, [[0.0] * cfg.d_model]), (m.router, [[0.0] * cfg.d_model])):
-        with pytest.raises(ValueError, match="got a list; pass a torch.Tensor"):
-            layer(x)
-    with pytest.raises(ValueError, match=r"Router expects .* in the layer's dtype torch.float32, got torch.float64"):
-        m.router(torch.randn(3, cfg.d_model, dtype=torch.float64))
+    ex.impl = "fast"
+    with pytest.raises(ValueError, match=r"RoutedExperts.impl = 'fast' is unknown"):
+        ex(torch.randn(3, 8), w, ids)
+    ex.impl = "grouped"
     ffn = GatedMLP(8, 16)
-    with pytest.raises(ValueError, match=r"GatedMLP expects x of shape \[\.\.\., 8\], got \(3, 7\)"):
-        ffn(torch.randn(3, 7))
-    with pytest.raises(ValueError, match=r"GatedMLP expects a float tensor"):
-        ffn(torch.zeros(3, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"GatedMLP expects .* in the layer's dtype"):
-        ffn(torch.randn(3, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="got a list"):
-        ffn([0.0] * 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert ffn(torch.randn(3, 8).bfloat16()).shape == (3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast, bf16 tokens meet fp32 weights legitimately
@@ -446,7 +422,7 @@ def test_padding_under_balancing_token_mask_does_not_steer_the_balance(balancing
     else:
         torch.testing.assert_close(bias, want_bias)
         assert not torch.equal(unmasked_bias, bias) or balancing == "bias"
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(AssertionError, match="shape"):  # the training loops pass the batch's own mask
         with balancing_token_mask(r, mask[:, :5]):
             r(x)
 

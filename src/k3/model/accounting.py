@@ -248,8 +248,6 @@ def cache_bytes(model_or_config, context: int, batch: int = 1, latent: str = "bf
     [B, H, K, V] in `state` (fp32 in every KDA kernel) and the short-conv tail [B, 3*H*K, conv_size - 1] in
     `conv` (the activation dtype). Only the MLA part grows with context. `layers`: a subset of layer indices.
     """
-    if context < 0 or batch < 0:
-        raise ValueError(f"cache_bytes needs context >= 0 and batch >= 0, got context={context}, batch={batch}")
     model = _model(model_or_config)
     from k3.model.kda import KimiDeltaAttention
 
@@ -314,8 +312,6 @@ def forward_flops(model_or_config, tokens: int, past: int = 0, batch: int = 1, a
       moe_combine        2 top-k x dispatch_dim per MoE layer and token (the weighted sum of expert outputs)
     `layers` restricts to those transformer layers; `include_head` adds the final mix and the head.
     """
-    if tokens < 0 or past < 0 or batch < 0:
-        raise ValueError(f"forward_flops needs tokens, past, batch >= 0, got {tokens}, {past}, {batch}")
     model = _model(model_or_config)
     from k3.model.kda import KimiDeltaAttention
 
@@ -370,8 +366,6 @@ def prefill_flops(model_or_config, tokens: int, chunk: int, layers=None, include
     the sum of `forward_flops(chunk_k, past=start_k)` over the chunks, computed in closed form. Chunking
     leaves every term but one as in a single call (the same tokens, the same causal (query, key) pairs); each
     chunk's prefill-form MLA re-expands the latents of every earlier chunk (`mla_latent_up_past`)."""
-    if chunk <= 0:
-        raise ValueError(f"prefill chunk = {chunk} must be positive")
     f = forward_flops(model_or_config, tokens, layers=layers, include_head=include_head)
     per_past = forward_flops(model_or_config, 0, past=1, layers=layers, include_head=include_head)["mla_latent_up_past"]
     n = -(-tokens // chunk)  # chunks; chunk k starts after k * chunk tokens

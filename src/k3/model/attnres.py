@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype
+from k3.ops.amp import autocast_on
 from k3.ops.attnres import IMPLS, Phase1Stats, attnres_mix, blockwise_mix, merged_weights, phase1, phase2
 
 __all__ = ["AttnRes", "AttnResState"]
@@ -96,9 +96,7 @@ class AttnRes(nn.Module):
 
     def __init__(self, config: K3Config, impl: str = "blockwise"):
         super().__init__()
-        config.validate()
-        if impl not in IMPLS:
-            raise ValueError(f"AttnRes impl = {impl!r} is unknown; pick one of {list(IMPLS)}")
+        assert impl in IMPLS, f"AttnRes impl = {impl!r} is unknown; pick one of {list(IMPLS)}"
         self.mode = config.attnres
         self.impl = impl
         self.n_layers = config.n_layers
@@ -135,8 +133,6 @@ class AttnRes(nn.Module):
 
     def n_sources(self, j: int) -> int:
         """How many sources sublayer j mixes (j = 2 * n_layers: the final mix); 1 for mode 'none'."""
-        if not 0 <= j <= self.n_sublayers:
-            raise ValueError(f"sublayer index {j} is outside 0 .. {self.n_sublayers} (2 * n_layers is the final mix)")
         if self.mode == "none":
             return 1
         if self.mode == "full":
@@ -146,10 +142,6 @@ class AttnRes(nn.Module):
     # ------------------------------------------------------------------ protocol
     def start(self, emb: torch.Tensor) -> AttnResState:
         """emb [B, T, D] (D = d_model) becomes source 0."""
-        if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or emb.shape[-1] != self.d_model:
-            got = list(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
-            raise ValueError(f"AttnRes.start expects emb of shape [B, T, D] with D = d_model = {self.d_model}, got {got}")
-        check_dtype("AttnRes.start", emb, f"[B, T, {self.d_model}]")
         if self.record_weights:
             self.last_weights, self._entropy = {}, {}
         shape = tuple(emb.shape)
@@ -182,11 +174,13 @@ class AttnRes(nn.Module):
     def push(self, state: AttnResState, j: int, y: torch.Tensor) -> None:
         """Record sublayer j's output y [B, T, D]."""
         self._check_step(state, j, "push")
-        if not isinstance(y, torch.Tensor) or tuple(y.shape) != state.shape:
-            got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise ValueError(f"AttnRes.push: output of sublayer {j} must have shape [B, T, D] = {list(state.shape)}, got {got}")
-        # in the stream's dtype (the embedding's), unless autocast runs the sublayers in a lower precision
-        check_dtype(f"AttnRes.push (sublayer {j})", y, str(list(state.shape)), like=(state.completed or state.current)[0])
+        # another shape would broadcast into the stream, another dtype promote it (the stream keeps the embedding's
+        # dtype; autocast runs the sublayers in a lower one)
+        assert tuple(y.shape) == state.shape, \
+            f"AttnRes.push: output of sublayer {j} must have shape [B, T, D] = {list(state.shape)}, got {list(y.shape)}"
+        like = (state.completed or state.current)[0]
+        assert y.dtype == like.dtype or (y.is_floating_point() and autocast_on(y.device.type)), \
+            f"AttnRes.push (sublayer {j}) expects y in the stream's dtype {like.dtype}, got {y.dtype}"
         if self.mode == "none":
             state.current[0] = state.current[0] + y
         else:
@@ -199,11 +193,8 @@ class AttnRes(nn.Module):
 
     def final(self, state: AttnResState) -> torch.Tensor:
         """The mix before the final norm and head, over every source: [B, T, D]."""
-        if not isinstance(state, AttnResState):
-            raise ValueError(f"AttnRes.final expects the AttnResState from start(), got {type(state).__name__}")
-        if state.step != self.n_sublayers:
-            raise ValueError(f"AttnRes.final called after {state.step} of {self.n_sublayers} sublayer outputs; "
-                             "push every sublayer (0 .. 2 * n_layers - 1) first")
+        assert state.step == self.n_sublayers, (f"AttnRes.final called after {state.step} of {self.n_sublayers} "
+                                                "sublayer outputs; push every sublayer (0 .. 2 * n_layers - 1) first")
         if self.mode == "none":
             return state.current[0]
         j = self.final_index
@@ -224,11 +215,11 @@ class AttnRes(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def _check_step(self, state: AttnResState, j: int, what: str) -> None:
-        if not isinstance(state, AttnResState):
-            raise ValueError(f"AttnRes.{what} expects the AttnResState from start(), got {type(state).__name__}")
-        if j != state.step or j >= self.n_sublayers:
-            raise ValueError(f"AttnRes.{what}(state, {j}) out of order: the next sublayer is {state.step} of "
-                             f"0 .. {self.n_sublayers - 1}; call mix(state, j) then push(state, j, y) for each j in turn")
+        # the protocol (module docstring): start, then mix(j) and push(j) for j = 0, 1, ... in turn, then final
+        assert isinstance(state, AttnResState) and j == state.step < self.n_sublayers, (
+            f"AttnRes.{what}(state, {j}) out of order: the next sublayer is {getattr(state, 'step', None)} of "
+            f"0 .. {self.n_sublayers - 1}; pass the AttnResState from start() and call mix(state, j) then "
+            "push(state, j, y) for each j in turn")
 
     def _enter(self, state: AttnResState, j: int) -> None:
         """If sublayer j opens a new block, seal the finished one into the completed sources."""

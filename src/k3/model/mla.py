@@ -25,7 +25,6 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLACache
-from k3.model.checks import check_dtype
 from k3.ops.amp import at_least_fp32
 from k3.ops.mx.fake import fake_quant
 
@@ -45,7 +44,6 @@ class GatedMLA(nn.Module):
 
     def __init__(self, config: K3Config, layer_idx: int = 0):
         super().__init__()
-        config.validate()
         self.layer_idx = layer_idx
         self.d_model, self.n_heads = config.d_model, config.mla_heads
         self.q_lora_rank, self.kv_lora_rank = config.mla_q_lora_rank, config.mla_kv_lora_rank
@@ -81,7 +79,6 @@ class GatedMLA(nn.Module):
                 segments=None, doc_slots: list[MLACache] | None = None) -> torch.Tensor:
         """`segments` (k3.model.segments, no cache): each token attends only within its own document;
         `doc_slots`: one fresh MLACache per document, filled with that document's latents (packed prefill)."""
-        self._check(x, cache)
         B, T, _ = x.shape
         q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
         q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim + self.rope_dim)
@@ -89,7 +86,7 @@ class GatedMLA(nn.Module):
         c_kv = torch.cat([self.kv_norm(c_kv), k_s], dim=-1)  # [B, T, C + R]: what the cache holds
         P, key_mask = 0, None
         if cache is not None:
-            if cache.latent is not None and cache.latent.dtype != c_kv.dtype:
+            if cache.latent is not None and cache.latent.dtype != c_kv.dtype:  # HybridCache.check sees shapes only
                 raise ValueError(f"the cache's latent is {cache.latent.dtype} but this layer computes "
                                  f"{c_kv.dtype}; decode with the dtype (and autocast) the cache was filled with")
             P = cache.length
@@ -172,8 +169,8 @@ class GatedMLA(nn.Module):
         W_UK rows) take sqrt(gamma_h) each; the shared key k_s belongs to every head, so as in K2 it is left alone
         and head h's q_s rows take the whole gamma_h.
         """
-        if self.max_logits is None:
-            raise ValueError("qk_clip_ needs max_logits; set track_max_logits = True and run a forward first")
+        assert self.max_logits is not None, \
+            "qk_clip_ needs max_logits; set track_max_logits = True and run a forward first"
         H, K, V, R = self.n_heads, self.qk_head_dim, self.v_head_dim, self.rope_dim
         gamma = (tau / self.max_logits.clamp_min(1e-30)).clamp(max=1.0)
         s = gamma.sqrt().to(self.wkv_b.weight.dtype)
@@ -182,20 +179,6 @@ class GatedMLA(nn.Module):
         wq[:, K:].mul_(gamma.to(wq.dtype)[:, None, None])
         self.wkv_b.weight.view(H, K + V, -1)[:, :K].mul_(s[:, None, None])
         return gamma
-
-    def _check(self, x: torch.Tensor, cache: MLACache | None) -> None:
-        want = f"[B, T, d_model] = [B, T, {self.d_model}]"
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model \
-                or x.shape[0] == 0 or x.shape[1] == 0:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"GatedMLA expects x of shape {want}, got {shape}")
-        check_dtype("GatedMLA", x, want, like=self.wo.weight)
-        if cache is not None and not isinstance(cache, MLACache):
-            raise ValueError(f"GatedMLA takes an MLACache, got a {type(cache).__name__}; make the model's cache "
-                             "with model.new_cache()")
-        if cache is not None and cache.latent is not None and cache.latent.shape[0] != x.shape[0]:
-            raise ValueError(f"cache holds batch {cache.latent.shape[0]} but x has batch {x.shape[0]}; "
-                             "use one cache per batch of sequences")
 
 
 def _causal_mask(T: int, S: int, P: int, device) -> torch.Tensor:

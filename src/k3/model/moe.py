@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.checks import check_dtype, check_tensor
 from k3.ops.amp import at_least_fp32, no_autocast
 from k3.ops.glu import glu_for, silu_glu
 from k3.model.qat import qat_format
@@ -59,11 +58,6 @@ class GatedMLP(nn.Module):
                 nn.init.normal_(w, std=init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d_in = self.w1.weight.shape[1]
-        check_tensor("GatedMLP", x, f"[..., {d_in}]")
-        if x.dim() == 0 or x.shape[-1] != d_in:
-            raise ValueError(f"GatedMLP expects x of shape [..., {d_in}], got {tuple(x.shape)}")
-        check_dtype("GatedMLP", x, f"[..., {d_in}]", like=self.w1.weight)
         return self.w2(self.glu(self.w1(x), self.w3(x)))
 
 
@@ -77,7 +71,6 @@ class Router(nn.Module):
 
     def __init__(self, config: K3Config, dim: int):
         super().__init__()
-        config.validate()
         self.dim = dim
         self.n_experts, self.top_k = config.n_experts, config.n_active_experts
         self.routed_scale = config.routed_scale
@@ -111,10 +104,6 @@ class Router(nn.Module):
             return torch.sigmoid(F.linear(at_least_fp32(x), at_least_fp32(self.weight)))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        check_tensor("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]")
-        if x.dim() not in (2, 3) or x.shape[-1] != self.dim:
-            raise ValueError(f"Router expects x of shape [B, T, {self.dim}] or [N, {self.dim}], got {tuple(x.shape)}")
-        check_dtype("Router", x, f"[B, T, {self.dim}] or [N, {self.dim}]", like=self.weight)
         s = self.scores(x).reshape(-1, self.n_experts)  # [N, E]
         bias = self.bias.float()
         biased = s.detach() + bias
@@ -140,9 +129,9 @@ class Router(nn.Module):
         """The flat [N] mask of tokens that count in the balancing statistics, from `token_mask`."""
         if self.token_mask is None:
             return None
-        if tuple(self.token_mask.shape) != tuple(x.shape[:-1]):
-            raise ValueError(f"balancing_token_mask got a mask of shape {tuple(self.token_mask.shape)}, but the router "
-                             f"sees tokens of shape {tuple(x.shape[:-1])}; pass the [B, T] mask of the batch forwarded")
+        assert tuple(self.token_mask.shape) == tuple(x.shape[:-1]), (
+            f"balancing_token_mask got a mask of shape {tuple(self.token_mask.shape)}, but the router sees tokens of "
+            f"shape {tuple(x.shape[:-1])}; pass the [B, T] mask of the batch forwarded")
         return self.token_mask.reshape(-1).to(device=x.device, dtype=torch.bool)
 
     def _sequence_balance_loss(self, s: torch.Tensor, experts: torch.Tensor,
@@ -236,9 +225,9 @@ def balancing_token_mask(module: nn.Module, mask: torch.Tensor):
     being forwarded) is True in its balancing statistics: the bias and quantile updates, the aux loss and
     `last_load`. Routing itself is unchanged. Right-padded batches (SFT, GRPO, distillation) pass
     `ids != PAD`, so a column of identical padding tokens does not push its experts' biases down."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
-        raise ValueError(f"balancing_token_mask wants a [B, T] bool tensor, got {getattr(mask, 'shape', mask)!r} "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 2, \
+        f"balancing_token_mask wants a [B, T] bool tensor, got {getattr(mask, 'shape', mask)!r} " \
+        f"{getattr(mask, 'dtype', type(mask).__name__)}"
     return _routers_set(module, "token_mask", mask)
 
 
@@ -431,21 +420,7 @@ class RoutedExperts(nn.Module):
                 nn.init.normal_(w, std=init_std)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        for name, t in (("x", x), ("weights", weights), ("experts", experts)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"RoutedExperts expects tensors x [N, {self.dim}], weights and experts [N, k]; "
-                                 f"{name} is a {type(t).__name__}")
-        if x.dim() != 2 or x.shape[-1] != self.dim or experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
-            raise ValueError(f"RoutedExperts expects x [N, {self.dim}] and weights, experts [N, k]; got "
-                             f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
-        if experts.is_floating_point() or experts.is_complex():
-            raise ValueError(f"RoutedExperts expects integer expert ids [N, k], got dtype {experts.dtype}")
-        if experts.device.type == "cpu" and experts.numel() and not torch.compiler.is_compiling() and (
-                int(experts.min()) < 0 or int(experts.max()) >= self.n_experts):  # (a host sync on a GPU)
-            raise ValueError(f"RoutedExperts has experts 0..{self.n_experts - 1}, got expert ids from "
-                             f"{int(experts.min())} to {int(experts.max())}")
         w = self.expert_weights()
-        check_dtype("RoutedExperts", x, f"[N, {self.dim}]", like=w[0])
         weights = weights.to(x.dtype)
         x = self.quant_act(x)
         if x.shape[0] == 0:  # no tokens: an empty output that stays in the graph (zero gradients, not none)
@@ -518,7 +493,6 @@ class MoE(nn.Module):
 
     def __init__(self, config: K3Config):
         super().__init__()
-        config.validate()
         self.config = config
         self.d_model = config.d_model
         self.latent = config.moe == "latent"
@@ -551,11 +525,6 @@ class MoE(nn.Module):
         self.experts.impl = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("MoE", x, f"[B, T, d_model={self.d_model}]")
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoE expects a float tensor x of shape [B, T, d_model={self.d_model}], "
-                             f"got {tuple(x.shape)} {x.dtype}")
-        check_dtype("MoE", x, f"[B, T, d_model={self.d_model}]", like=self.router.weight)
         B, T, d = x.shape
         weights, experts = self.router(x)
         h = x.reshape(B * T, d)
