@@ -1,36 +1,11 @@
-"""Attention Residuals: each sublayer reads a learned softmax mix of earlier representations over depth.
+"""Attention Residuals (arXiv 2603.15031): each sublayer reads a learned softmax mix of earlier representations.
 
-What the sources say (Kimi Team, "Attention Residuals", arXiv 2603.15031; MoonshotAI/Attention-Residuals
-README, Fig. 2 pseudocode; the `flash-attn-res` package, catswe/flash-attention-residuals):
-
-- h_l = sum_i alpha_{i->l} v_i with alpha_{i->l} = softmax_i(w_l^T RMSNorm(v_i)) (Eq. 2-4); w_l is a
-  learned pseudo-query per sublayer, zero-initialised so the first mix is a uniform average (Sec. 5:
-  "all pseudo-query vectors must be initialized to zero"). No 1/sqrt(d) scale in the pseudocode.
-- The paper's "layer" is a sublayer: two AttnRes operations per transformer layer, before attention and
-  before the MLP, each with its own query and its own RMSNorm (Fig. 2: attn_res_proj/attn_res_norm,
-  mlp_res_proj/mlp_res_norm; Sec. 5: "one RMSNorm and one pseudo-query vector per layer"). The norm is
-  an RMSNorm module, i.e. with a learned weight g; we keep g (init 1). flash-attn-res normalises the
-  keys without a weight; g folds into the query (w * g), so both agree whenever g = 1.
-- Block AttnRes (Sec. 3.2, Eq. 5-6): b_0 = token embedding; block n sums its sublayer outputs,
-  b_n = sum_{j in B_n} f_j(h_j), with partial sum b_n^i over its first i sublayers. The FIRST sublayer of
-  block n sees [b_0, ..., b_{n-1}] only -- there is no empty partial-sum source -- and sublayer i >= 2
-  sees [b_0, ..., b_{n-1}, b_n^{i-1}]. Algorithm 1 says the same (line 8: first sublayer = phase 1 only),
-  and so do Fig. 2 (the boundary check moves the finished partial sum into `blocks` before the attention
-  output starts the new one) and flash-attn-res's reference loop. Blocks align with transformer layers
-  (Fig. 2: "block_size counts ATTN + MLP"); Kimi Linear 48B: 54 sublayers, 6 per block, 9 blocks +
-  embedding = 10 sources. When the count does not divide, the last block is shorter (Sec. 3.2).
-- "The final output layer aggregates all N block representations" (Sec. 3.2): we read it as one more
-  AttnRes with its own query over [b_0, b_1, ..., b_N] (embedding included, as flash-attn-res's reference
-  does with its last query), followed by the model's final norm and head.
-- Full AttnRes: every sublayer output is its own source: sublayer j sees [emb, f_0, ..., f_{j-1}].
-  The paper notes S = 1 (one sublayer per block) recovers Full; our blocks are whole layers (2 sublayers),
-  so no `block` setting equals `full` -- they coincide only for the first two sublayers.
-- Two-phase computation (Sec. 4.2, Algorithm 1): queries do not depend on the hidden state, so phase 1
-  scores all queries of a block against the completed sources at once; phase 2 merges each sublayer's
-  intra-block source(s) by online softmax. Exact, not an approximation. For Full AttnRes we group
-  sublayers in the same blocks; phase 2 then merges the group's individual outputs.
-
-mode 'none' is the plain pre-norm residual stream: h = emb + sum of all outputs so far (no parameters).
+h_l = sum_i softmax_i(w_l^T (g_l * RMSNorm(v_i))) v_i, with a pseudo-query w_l (zero at init: a uniform mix) and a
+key-norm weight g_l per sublayer (two per transformer layer), plus one pair for the final mix before the head.
+Modes: 'block' mixes the embedding, the completed blocks of layers and the current block's partial sum (a block's
+first sublayer sees no partial sum); 'full' makes every sublayer output a source; 'none' is the plain pre-norm
+residual stream (no parameters). How the paper, its pseudocode and flash-attn-res were read:
+docs/architecture.md, "Block AttnRes: how the sources were read".
 
 Protocol (one state per forward; T may be 1, every token is mixed on its own):
     state = attnres.start(emb)                 # emb [B, T, D]

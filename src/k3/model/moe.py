@@ -1,28 +1,15 @@
 """Channel mixing: gated MLPs (SiTU-GLU or SwiGLU, k3.ops.glu), the sigmoid top-k router with load balancing,
 routed experts, (Latent)MoE.
 
-- Router (DeepSeek-V3, arXiv 2412.19437, sec. 2.1.2): scores s = sigmoid(x W_r^T); the top-k experts are
-  chosen on s + b, where the bias b steers *selection only*; the gating weights are the unbiased scores of
-  the chosen experts, normalised to sum 1 and multiplied by `routed_scale`.
-- Balancing (docs/moe.md has the formulas and sources):
-    'aux_loss'  DeepSeek-V3's sequence-wise balance loss, exposed as `router.aux_loss` for the trainer;
-    'bias'      DeepSeek-V3's auxiliary-loss-free update b_i -= gamma * sign(load_i - mean load);
-    'quantile'  Quantile Balancing (Jianlin Su, kexue.fm/archives/11619; K3, as Megatron-LM PR #6637 ships it):
-                b_j = quantile(r_:j, k/E), r_ij = alpha_i - s_ij with alpha_i the token's (k+1)-th biased score,
-                so that about k/E of the tokens would have picked j; then b is mean-centred; no step size.
-                `quantile_estimator` 'histogram' (the release): `quantile_bins` bins over [min b - 1, max b + 1],
-                summed over ranks; 'exact' (k3's earlier form): by sorting in one process.
-  'bias' and 'quantile' accumulate statistics over the forwards since the last `update_balancing()` (call it
-  once per optimizer step) and apply them to the next batch.
-- LatentMoE (Elango et al., arXiv 2601.18089; Nemotron 3): routed experts work in a latent width l < d behind
-  a shared W_down (before dispatch) and W_up (after combine); the router and the shared expert read the
-  full-width x, as in Megatron-Core's and TensorRT-LLM's Nemotron-H MoE. K3's "Stable" LatentMoE
-  (`latent_moe_use_norm`) puts an RMSNorm on the combined latent before W_up.
-- Routed experts are stacked parameters w1/w3 [E, dim, ffn], w2 [E, ffn, dim]. `RoutedExperts.impl` picks the
-  compute path: 'naive' (per token and slot, the reference), 'loop' (per expert, gathering its tokens),
-  'grouped' (sort token-slots by expert once, then one grouped matmul per weight; see `grouped_glu`).
-- QAT (docs/quantization.md): with `config.qat`, the routed experts fake-quantize their weights along the
-  reduction dim (`weight_format`) and the inputs of their GEMMs (`act_format`) in every compute path alike.
+- Router (DeepSeek-V3): the top-k experts are chosen on sigmoid scores plus a bias b that steers selection only;
+  the gating weights are the unbiased scores of the chosen experts, normalised and scaled by `routed_scale`.
+  Balancing 'aux_loss', 'bias' or 'quantile' (Quantile Balancing, as K3 ships it); 'bias' and 'quantile'
+  accumulate statistics until `update_balancing()`, called once per optimizer step.
+- LatentMoE: routed experts work in a latent width l < d behind a shared W_down and W_up (K3's "Stable" form
+  normalises the combined latent); the router and the shared expert read the full-width token.
+- Routed experts are stacked weights w1/w3 [E, dim, ffn], w2 [E, ffn, dim]; `RoutedExperts.impl` picks 'naive'
+  (the reference), 'loop' or 'grouped' (`grouped_glu`). Under `config.qat` every path fake-quantizes alike.
+Formulas, sources and measurements: docs/moe.md; QAT: docs/quantization.md.
 """
 from __future__ import annotations
 
@@ -355,15 +342,13 @@ def _rows_aligned(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def _grouped_backend(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> str:
-    """The one place that picks the grouped kernel for a device / dtype (measured in benchmarks/moe.py).
+    """The one place that picks the grouped kernel for a device / dtype (timings: docs/benchmarks.md, MoE).
 
     CUDA: torch._grouped_mm for bf16, one kernel per weight instead of one launch per expert. CPU: a loop
     over the contiguous slices once the experts' matmuls are large enough to dominate; padded bmm lost to the
     slices everywhere (padding and the scatter into [E, C, dim] cost more than batching saves). With few rows
     per expert the loop's per-expert overhead shows, and torch._grouped_mm (CPU fp32, forward and backward) is
-    faster: measured fwd+bwd of 64 experts, top-8, widths 128 -> 256 (mini's), mean rows per expert 64 / 128 /
-    256 / 512: at 2 threads 1.47x / 1.28x / 1.10x / 0.89x the slices, at 1 thread 1.25x / 0.97x / 0.94x /
-    0.82x. Hence grouped_mm up to 64 rows per expert per thread (`CPU_GROUPED_MM_ROWS_PER_THREAD`), except under
+    faster. Hence grouped_mm up to 64 rows per expert per thread (`CPU_GROUPED_MM_ROWS_PER_THREAD`), except under
     torch.compile, whose fake-tensor rule for torch._grouped_mm (torch 2.13) accepts bf16 only, and under CPU
     autocast (it casts an fp32 x to bf16 there, for which the CPU kernel has no rule). Widths that are not a
     multiple of 16 bytes (`_rows_aligned`) take the slices on any device.

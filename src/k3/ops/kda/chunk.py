@@ -1,38 +1,14 @@
 """Chunked parallel Kimi Delta Attention in pure torch (the CPU training / prefill path).
 
-Kimi Linear (arXiv 2510.26692, Sec. 3, chunkwise form of KDA): inside a chunk of C tokens the delta rule
-is a WY/UT-style triangular system, so every chunk's intra-chunk work is a few batched matmuls plus one
-batched triangular solve, and only the [K, V] state is carried from chunk to chunk.
-
-Within a chunk, with Gamma_r = g_1 + ... + g_r (per channel) and S_0 the incoming state,
-    S_r     = Diag(exp Gamma_r) S_0 + sum_{i<=r} Diag(exp(Gamma_r - Gamma_i)) k_i delta_i^T,
-    delta_r = beta_r (v_r - S_0^T (exp(Gamma_r) k_r) - sum_{i<r} A_ri delta_i),
-    A_ri    = sum_ch k_r k_i exp(Gamma_r - Gamma_i),
-so with T = I + Diag(beta) strictly_lower(A):  Delta = U - W S_0,  U = T^-1 Diag(beta) V,
-W = T^-1 Diag(beta) (exp(Gamma) * K), and
-    O   = (exp(Gamma) * Q) S_0 + lower(M) Delta,          M_ri = sum_ch q_r k_i exp(Gamma_r - Gamma_i),
-    S_C = Diag(exp Gamma_C) S_0 + (exp(Gamma_C - Gamma) * K)^T Delta.
-
-Numerical safety. exp(Gamma_r - Gamma_i) must not be split as exp(Gamma_r) * exp(-Gamma_i): with
-g ~ -5 per step, exp(-Gamma) overflows fp32 within 20 tokens. Each chunk is cut into sub-chunks of c
-tokens and every product is split at a reference point rho inside the row's sub-chunk a:
-    exp(Gamma_r - Gamma_i) = exp(Gamma_r - rho_a) * exp(rho_a - Gamma_i).
-For columns in earlier sub-chunks the second factor is <= 1 (and is formed as exp(rho_a - end_b) *
-exp(end_b - Gamma_i), two factors <= 1). rho_a is the middle of sub-chunk a when both halves decay by at
-most `max_exponent` (so every factor is <= exp(max_exponent)); otherwise rho_a is its start (every
-off-diagonal factor <= 1) and that sub-chunk's diagonal block is formed exactly, element by element.
-The price of a factor exp(x) is a relative error of about |x| * eps: at most ~2e-6 in fp32 with the
-default max_exponent = 30, reached only under strong decay (measured: <= 4e-6 on outputs at g ~ U(-5, 0)).
-
-Chunk size. Typical gates run in chunks of 64 tokens cut into two sub-chunks of 32. Strong decay needs small
-sub-chunks c (above), and a chunk of C tokens in C / c sub-chunks costs about C / c times more elementwise work
-per token (every sub-chunk keeps its own reference point), so with `chunk_size=None` the chunk shrinks with the
-sub-chunk: C = 2c, down to a floor that keeps the sequential chunk-to-chunk steps at most `MAX_AUTO_CHUNKS` per
-sequence (`_auto_chunk_sizes`). Trained KDA gates are strong: in `mini` after 150 steps most layers have
-channels that decay by more than 100 per token, which with chunks of 64 meant 32 sub-chunks of 2.
-
-Chunks are processed in blocks (`chunk_block`: 512 tokens' worth on CPU, 8 chunks of 64): each block's layouts
-and intermediates stay in cache, and only the [K, V] state passes from one block to the next.
+Inside a chunk of C tokens the delta rule is a WY/UT-style triangular system (Kimi Linear, arXiv 2510.26692,
+Sec. 3), so each chunk is a few batched matmuls and one triangular solve, and only the [K, V] state passes from
+chunk to chunk. The invariant that keeps it finite: a decay exp(Gamma_r - Gamma_i) is never formed as
+exp(Gamma_r) * exp(-Gamma_i), which overflows fp32 within 20 tokens of strong decay. Each chunk is cut into
+sub-chunks, every product is split at a reference point inside the row's sub-chunk so that no factor exceeds
+exp(max_exponent), and a sub-chunk where that cannot hold gets its diagonal block formed exactly. Chunk and
+sub-chunk sizes follow the gates (`chunk_size=None`); chunks run in blocks (`chunk_block`) whose intermediates
+stay in cache. The derivation and the error bound: docs/architecture.md, "KDA's chunked form"; timings of the
+size choices: docs/benchmarks.md (KDA).
 """
 from __future__ import annotations
 
@@ -42,8 +18,7 @@ import torch.nn.functional as F
 from k3.ops.amp import without_autocast
 
 
-CPU_BLOCK_TOKENS = 512  # tokens per block on CPU: 8 chunks of 64 (benchmarks/kda.py shape: 2 and 4 chunks slower,
-                        # 16 the same)
+CPU_BLOCK_TOKENS = 512  # tokens per block on CPU: 8 chunks of 64 (the block sizes timed: docs/benchmarks.md, KDA)
 AUTO_CHUNK_SIZES = (64, 32, 16, 8, 4)  # chunk_size=None picks one of these (_auto_chunk_sizes)
 MAX_AUTO_CHUNKS = 256  # ... the smallest that leaves at most this many chunks per sequence, when smaller is wanted
 
@@ -81,11 +56,8 @@ def _auto_chunk_sizes(g: torch.Tensor, max_exponent: float) -> tuple[int, int]:
     chunk size computes the same thing (tested).
 
     Why two: with C / c sub-chunks per chunk the elementwise work per token grows about as C / c, while the chunk
-    count T / C is a sequential loop. Measured fwd + bwd at B=8, T=128, H=4, K=V=64 (mini's training shape) with
-    gates of -s * U(0.5, 1.5) per token: s = 2: 21 ms at C=32 (c=16) against 75 ms at C=64 (c=16); s = 4: 29 ms
-    at C=16 against 87 ms; s = 12: 60 ms at C=4 (c=2) against 190 ms at C=64 (c=2). At T=4096 (B=1, H=4,
-    K=V=128) many tiny chunks cost more than they save (C=4: 1.5 s against 0.92 s at C=32 for s = 12), hence the
-    floor on C."""
+    count T / C is a sequential loop; at long T many tiny chunks cost more than they save, hence the floor on C
+    (timings: docs/benchmarks.md, KDA)."""
     T = g.shape[1]
     floor = next((C for C in reversed(AUTO_CHUNK_SIZES) if -(-T // C) <= MAX_AUTO_CHUNKS), AUTO_CHUNK_SIZES[0])
     # the half-sub-chunk windows are aligned from the sequence start whatever C is (C is a multiple of c), so the
@@ -222,8 +194,7 @@ def chunk_kda(
     `sub_chunk_size` is given), `sub_chunk_size` (default: chosen from the gates, `_auto_sub_chunk_size`) and
     `max_exponent` tune the safe factorisation (module docstring). `chunk_block`: chunks processed together, the
     state handed from block to block (None: 512 tokens' worth on CPU, where a block's intermediates then stay in
-    cache, measured 1.5x faster forward+backward at T=4096, H=4, K=V=128 than all chunks at once; all chunks on
-    other devices; 0: all)."""
+    cache; all chunks on other devices; 0: all)."""
     if chunk_block is not None and (not isinstance(chunk_block, int) or chunk_block < 0):
         raise ValueError(f"chunk_block must be a non-negative int or None, got {chunk_block!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):

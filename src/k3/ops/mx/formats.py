@@ -1,37 +1,16 @@
 """MX block formats (OCP Microscaling Formats v1.0): MXFP4 (E2M1) and MXFP8 (E4M3), E8M0 scales.
 
 A block of `block_size` (32 in the spec) consecutive elements along the last dim shares one scale
-X = 2^(code - 127), stored as an E8M0 byte (bias 127, 0xFF = NaN; spec sec. 5.4.1). Each element
-stores P_i, and the block decodes to X * P_i (sec. 5). The scale rule is the spec's (sec. 6.3):
+X = 2^(floor(log2(max_i |V_i|)) - emax_elem) (spec sec. 6.3; emax_elem 2 for E2M1, 8 for E4M3), stored as an
+E8M0 byte (2^(code - 127), 0xFF = NaN). Elements are V_i / X rounded to nearest, ties to even, and clamped to the
+largest normal (6 or 448). Storage: scales uint8 [..., n / block_size]; mxfp4 codes uint8 [..., n], one E2M1
+code per element (bit 3 the sign), or two per byte with `packed=True` / `pack_fp4` (element 2i in the low
+nibble); mxfp8 codes uint8 holding the E4M3 bits (`codes.view(torch.float8_e4m3fn)`).
 
-    X = 2^(floor(log2(max_i |V_i|)) - emax_elem),   emax_elem = 2 (E2M1) or 8 (E4M3)
-
-floor(log2 .) is read from the fp32 exponent field, so powers of two are exact. Elements are
-V_i / X rounded to nearest, ties to even, and clamped to the largest normal (6 or 448).
-
-Conventions (all bit-exact with torchao 0.18 `to_mx(..., ScaleCalculationMode.FLOOR)`, tested):
-  * scales: uint8 E8M0 codes, [..., n / block_size].
-  * mxfp4 codes: uint8, one E2M1 code (0..15, bit 3 = sign) per element, [..., n]; `packed=True`
-    or `pack_fp4` gives two per byte, element 2i in the low nibble and 2i+1 in the high nibble
-    (torchao's `pack_uint4` order), [..., n / 2].
-  * mxfp8 codes: uint8 holding the E4M3 bit pattern, [..., n]; `codes.view(torch.float8_e4m3fn)`
-    is the torch dtype (uint8 keeps both formats in one storage type).
-  * zero block: amax 0 has exponent field 0, so the scale code is 0 (2^-127) and all codes are 0.
-  * tiny blocks: torchao divides by max(X, 2^-126) (it clamps the fp32 scale to the smallest
-    normal), so a block whose scale code is 0 (amax < 2^-124 for mxfp4, < 2^-118 for mxfp8)
-    dequantizes to about half its value. We mirror this to stay bit-exact; no weight or
-    activation is that small in practice.
-  * NaN: a block containing a NaN gets scale 0xFF, which the spec decodes as "whole block NaN".
-    Its element codes carry no information (finite elements become signed zeros; NaN/Inf elements
-    become whatever torchao's arithmetic gives: E4M3 NaN 0x7F|sign, an E2M1 code 2..4|sign).
-  * Inf without NaN: the fp32 exponent field of Inf is 255, so the scale code is 255 - emax_elem
-    (253 for mxfp4, 247 for mxfp8), Inf elements saturate to +-max and the finite ones flush
-    towards zero. (Microsoft's microxcaling emulator makes such a block NaN instead; we follow
-    torchao.) Inputs in bf16/fp16 are upcast to fp32 first, which is exact.
-
-The fast path runs over cache-sized chunks of blocks with mostly in-place ops, spread over a few
-worker threads; the `*_reference` functions enumerate the element grid in Python and are the
-obviously-correct twins.
+Invariant: bit-exact with torchao 0.18 `to_mx(..., ScaleCalculationMode.FLOOR)` (tested), including where
+torchao departs from the spec on tiny, NaN and Inf blocks (docs/quantization.md, "Special values and what we
+match bit-exactly"). The fast path works through cache-sized chunks of blocks on a few worker threads; the
+`*_reference` functions enumerate the element grid in Python and are the obviously-correct twins.
 """
 from __future__ import annotations
 
@@ -60,10 +39,8 @@ __all__ = [
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
-# Blocks per unit of work: 262,143 elements (1 MiB of fp32). Above torch's 32,768-element intra-op grain,
-# so each op may also split across threads; measured on a 2-core host, 4096 x 4096 fp32 (quiet, 1 and 2
-# threads, and beside a busy process), quantizing took 2-3x less time than with chunks below the grain
-# (32,767), whose per-op dispatch dominated, and no setting was faster.
+# Blocks per unit of work: 262,143 elements (1 MiB of fp32). Above torch's 32,768-element intra-op grain, so each
+# op may also split across threads; below it, per-op dispatch dominated (docs/quantization.md, "Fast path").
 _CHUNK_ELEMS = 262143
 
 
