@@ -1,21 +1,11 @@
 """The four walls of one K3 configuration on one parallel layout: memory, bandwidth, communication, latency
 (and the compute bound under them), per GPU.
 
-Every size comes from the meta-instantiated model through `k3.model.accounting` (parameter bytes by storage
-format, hybrid-cache bytes, forward FLOPs by term, all-to-all bytes per token, pipeline boundary sources);
-this module only places them on a layout and divides by the hardware's rates.
-
-Layout (Megatron order, TP innermost): GPUs = tp x dp x pp. A pipeline stage holds a contiguous run of
-layers (the first stages take one more when pp does not divide n_layers; the embedding sits on the first
-stage, the final AttnRes mix, norm and head on the last). Inside a stage, attention heads, the dense MLP,
-the shared experts, the LatentMoE projections (over the latent width), the embedding and the head are
-split over tp ranks; the router (every rank must route alike), the MLA and KDA low-rank down-projections
-(the q / kv latents are shared by every head) and all vectors are replicated;
-the routed experts are split over ep ranks drawn from the stage's tp x dp GPUs. A group of g consecutive
-ranks talks over NVLink when g fits in the NVLink domain, otherwise over the scale-out network.
-
-All times are bounds from peak rates (no kernel efficiency, no link latency): `bound` = the largest of the
-compute, memory-traffic and communication times (perfect overlap), `serial` = their sum (no overlap).
+Every size comes from the meta-instantiated model through `k3.model.accounting`; this module only places them
+on a layout (GPUs = tp x dp x pp, tensor parallel innermost; the routed experts over ep of a stage's tp x dp
+GPUs) and divides by the hardware's rates. All times are bounds from peak rates: `bound` = the largest of the
+compute, memory-traffic and communication times (perfect overlap), `serial` = their sum (no overlap). What each
+rank holds and which links a group uses: docs/planner.md, "How a layout is placed".
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """Error-compensating rounding of linear weights onto the MX grid: GPTQ (Frantar et al., arXiv 2210.17323).
 
-Round-to-nearest (what `fake_quant` does, and what PTQ and QAT evaluate) rounds every weight on its own. GPTQ
-rounds the columns of W [out, in] one after another and, after each, moves the columns not yet rounded so that
-the layer's output on calibration inputs changes as little as possible: it minimises ||X W^T - X Q^T||^2 with
-H = X^T X, and the update after rounding column i is W[:, j] -= (w_i - q_i) / U[i, i] * U[i, j] for j > i,
-where U is the upper Cholesky factor of H^-1 (the paper's Algorithm 1, without its lazy batching: the widths
-here are small enough for the plain column loop).
-
-MX adds one thing. Each block of 32 columns shares a power-of-two scale per row, chosen by the spec's rule from
-the block's largest magnitude. Here it is chosen when the loop reaches the block's first column, from the block
-as the earlier columns' updates have left it (as group-wise GPTQ fixes a group's scale at its first column).
-Later updates may push an element past the block's top, which then saturates at the format's largest normal,
-so the result is always on the grid: `fake_quantize_mx(q) == q` (tested; a block whose top was pulled below
-its scale's range lands on values the next smaller scale also holds). With H = I no column is moved and the
-result equals round-to-nearest bit for bit (tested). The slow, obviously correct twin is in the tests: the same
-greedy loop with H's remaining block inverted from scratch at every column.
-
-torchao 0.18 ships a GPTQ (`torchao.prototype.gptq`) for int4, int8 and NVFP4 on CUDA only; MX formats and the
-CPU are why this module exists.
+GPTQ rounds the columns of W [out, in] one after another and, after each, moves the columns not yet rounded to
+absorb its error, weighted by H = X^T X of the layer's calibration inputs (the paper's Algorithm 1, without its
+lazy batching). For MX, each block of 32 columns takes its per-row power-of-two scale when the loop reaches the
+block's first column, and later updates that push an element past the block's top saturate, so the result is
+always on the grid (`fake_quantize_mx(q) == q`); with H = I it equals round-to-nearest bit for bit (both
+tested). The update rule and the evidence: docs/quantization.md, "Error-compensating rounding".
 """
 from __future__ import annotations
 

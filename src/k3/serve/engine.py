@@ -1,22 +1,12 @@
 """Generation engine: chunked prefill and continuous batching over the hybrid cache.
 
-Each `step()` does, in order:
-  1. drop cancelled requests (their rows leave the batch, their slot frees);
-  2. admit waiting requests while fewer than `max_batch` are in flight;
-  3. one prefill round: every request still reading its prompt feeds its next piece of at most
-     `prefill_chunk` tokens; new prompts that fit one chunk run together as one packed row (no padding; each
-     keeps to its own tokens, k3.model.segments, and leaves with its own cache), other pieces of equal length
-     as one batch (a long prompt never needs more than one chunk of activations, and it shares the step with
-     decoding instead of stalling it).
-     A request whose prompt is done samples its first token from the last position's logits;
-  4. prefilled requests join the running batch (`HybridCache.merge`: KDA states stack, MLA latents
-     are padded with a key mask), then one decode step feeds every running row its last token;
-  5. finished rows leave the batch (`HybridCache.select`).
-Every request samples with its own parameters and its own `torch.Generator`, so its tokens do not
-depend on which other requests share its batch. Events stream to a per-request callback.
-This is the scheduling idea of Orca (Yu et al., OSDI 2022, iteration-level scheduling) and of chunked
-prefill in Sarathi (Agrawal et al., arXiv 2308.16369), over a cache of constant-size KDA states and
-MLA latents instead of paged KV blocks.
+Each `step()`, in order: drops cancelled requests; admits waiting ones while fewer than `max_batch` are in
+flight; runs one prefill round (every request still reading its prompt feeds at most `prefill_chunk` tokens; new
+prompts that fit one chunk run as one packed row, k3.model.segments, other pieces of equal length as one batch);
+lets prefilled requests join the running batch (`HybridCache.merge`) and decodes one token for every running
+row; drops finished rows (`HybridCache.select`). Every request samples with its own parameters and
+`torch.Generator`, so its tokens do not depend on its batch-mates. Events stream to a per-request callback.
+The scheduling (Orca's iteration-level batching, Sarathi's chunked prefill): docs/serving.md.
 """
 from __future__ import annotations
 
