@@ -267,8 +267,9 @@ LONG_LINE = 10_000  # characters: the BPE trainer's time grows with the square o
 
 
 def _cut_long_lines(text: str) -> Iterator[str]:
-    """`text` for the tokenizer trainer, with any line longer than LONG_LINE cut into pieces of that length (a
-    400k-character line without spaces took 89 s, 1M did not end). Text without such lines passes unchanged."""
+    """`text` for the tokenizer trainer, with any line longer than LONG_LINE cut into pieces of that length (one
+    unbroken line of a few hundred thousand characters stalls the trainer for minutes). Text without such lines
+    passes unchanged."""
     if len(text) <= LONG_LINE or all(len(line) <= LONG_LINE for line in text.split("\n")):
         yield text
         return
