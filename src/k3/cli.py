@@ -16,6 +16,7 @@ PARTS = [
     "k3.model.cli",
     "k3.data.cli",
     "k3.train.cli",
+    "k3.io.cli",
     "k3.quant.cli",
     "k3.serve.cli",
     "k3.plan.cli",

@@ -7,8 +7,9 @@ from safetensors.torch import load_file, save_file
 
 from k3.cli import main
 from k3.config import get_config
+from k3.io.export import export_mx
 from k3.model.transformer import K3Model
-from k3.quant.export import EXPORT_KEY, EXPORT_VERSION, PackedRoutedExperts, export_mx, load_packed, pack_model
+from k3.quant.export import EXPORT_KEY, EXPORT_VERSION, PackedRoutedExperts, load_packed, pack_model
 from k3.quant.sizes import checkpoint_bytes
 from k3.train import checkpoint as ckpt
 from k3.train.trainer import load_trained_model

@@ -4,6 +4,8 @@
 `python -m k3.parallel.torchrun --standalone --nproc-per-node N -m k3.cli train ...` (the same arguments; that
 module is torchrun, `torch.distributed.run`, ending without a traceback when a signal stops it);
 inside torchrun (RANK / WORLD_SIZE set) `k3 train` runs k3.parallel.train.ParallelTrainer on the mesh.
+`k3 train` itself is k3.train.cli's single-process command: `register` adds the layout flags to its parser and
+routes it through `cmd_train` here.
 """
 from __future__ import annotations
 
@@ -57,6 +59,16 @@ def _dims(nproc: int, args):
         raise ValueError(f"--fsdp {args.fsdp} must be >= 0 (0 = shard over all data-parallel ranks)")
 
     return ParallelDims(nproc, ep=args.ep, fsdp=args.fsdp, pp=args.pp)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`k3 train`: the distributed run (a torchrun re-launch, or one rank of it) when the flags or the environment
+    ask for one, else k3.train.cli's single-process command."""
+    from k3.train.cli import check_resume_flags, cmd_train as train_one_process
+
+    check_resume_flags(args)
+    code = maybe_run_parallel(args)  # --nproc/--ep/--fsdp/--pp: torchrun re-launch, or one rank of it
+    return train_one_process(args) if code is None else code
 
 
 def maybe_run_parallel(args: argparse.Namespace) -> int | None:
@@ -350,3 +362,7 @@ def register(sub) -> None:
     add_config_args(p, default="k3")
     add_parallel_args(p, mesh=True)
     p.set_defaults(func=cmd_mesh)
+
+    train = sub.choices["train"]  # registered by k3.train.cli, an earlier part
+    add_parallel_args(train)
+    train.set_defaults(func=cmd_train)

@@ -1,6 +1,6 @@
 """Packed MX export: routed experts stored as MX codes + E8M0 scales, and the model that runs from them.
 
-Layout of a `k3 export --format mx` directory: a k3 checkpoint (k3.train.checkpoint: `latest`,
+Layout of a `k3 export --format mx` directory (written by k3.io.export.export_mx): a k3 checkpoint (k3.train.checkpoint: `latest`,
 `step_XXXXXX/{model.safetensors, manifest.json}`, hashed and written atomically) whose manifest carries
 `extra.mx_export` and whose config has `qat.expert_weights` set. In model.safetensors, each MoE layer's
 routed experts are six uint8 tensors (E experts, width dim, hidden ffn):
@@ -19,9 +19,7 @@ cast to bf16, the fake-quant model quantizes the bf16-rounded weights and the pa
 """
 from __future__ import annotations
 
-import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -33,8 +31,6 @@ from k3.ops.glu import silu_glu
 from k3.ops.mx import dequantize_mx, quantize_mx
 from k3.ops.mx.fake import BLOCK
 from k3.train import checkpoint as ckpt
-
-log = logging.getLogger(__name__)
 
 EXPORT_KEY = "mx_export"
 EXPORT_VERSION = 1
@@ -153,84 +149,6 @@ def build_packed_model(config: K3Config):
         e = moe.experts
         moe.experts = PackedRoutedExperts(e.n_experts, e.dim, e.ffn, fmt, e.act_format, glu=e.glu)
     return model
-
-
-def export_mx(ckpt_path: str | os.PathLike, out: str | os.PathLike, activations: str = "keep",
-              overwrite: bool = False) -> Path:
-    """Pack a training checkpoint's routed experts; returns the written step directory.
-
-    The exported config is the checkpoint's with `qat.expert_weights` set (mxfp4 unless the checkpoint
-    already names a format) and, unless `activations` is 'keep', `qat.activations` set to it; the exported
-    model computes exactly what K3Model(that config) computes with the checkpoint's weights (QAT, or PTQ
-    for a full-precision checkpoint).
-    """
-    from k3.model.transformer import K3Model
-    from k3.train.trainer import load_trained_model
-
-    if activations not in ("keep", "mxfp8", "mxfp4", "none"):
-        raise ValueError(f"--activations {activations!r}: use keep, mxfp8, mxfp4 or none")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; the export is a checkpoint directory: give a directory")
-    held = [p for _, p in ckpt.step_dirs(out)] if out.is_dir() else []
-    other = sorted(p.name for p in out.iterdir() if p not in held and p.name != ckpt.LATEST
-                   and not p.name.startswith((".step_", f".{ckpt.LATEST}."))) if out.is_dir() else []
-    # (.step_* folders and .latest.*.tmp files: what a save killed part way leaves; the next save removes them)
-    if other:  # e.g. a training run's folder: its checkpoint/ beside a step_* export would confuse `--ckpt OUT`
-        raise ValueError(f"--out {out} holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which an "
-                         "MX export does not write; give the export an --out of its own (a new or empty directory)")
-    trained = [p for p in held if not _is_export(p)]
-    if trained:  # --overwrite replaces earlier exports only, never training state (nor the checkpoint read here)
-        raise ValueError(f"{out} holds training checkpoint(s) {[p.name for p in trained][:3]}, which --overwrite "
-                         "does not replace; give an --out of its own for the export")
-    if held and not overwrite:
-        raise ValueError(f"{out} already holds an export; pass --overwrite or another --out")
-    src, manifest = load_trained_model(ckpt_path)
-    if EXPORT_KEY in manifest.get("extra", {}):
-        raise ValueError(f"{manifest['path']} is already a packed MX export")
-    qat = dict(src.config.qat or {})
-    fmt = qat_format(src.config, "expert_weights") or "mxfp4"
-    qat["expert_weights"] = fmt
-    if activations != "keep":
-        qat["activations"] = activations
-    config = src.config.replace(qat=qat)
-    if not any(config.is_moe_layer(i) for i in range(config.n_layers)):
-        raise ValueError(f"{manifest['path']} has no routed experts to pack (every layer's FFN is dense): an MX "
-                         "export holds packed routed experts; use the checkpoint as it is, or --format hf")
-    model = K3Model(config)
-    model.load_state_dict(src.state_dict())
-    del src
-    pack_model(model)
-    n_params = sum(3 * m.experts.n_experts * m.experts.dim * m.experts.ffn for m in model.moe_layers())
-    n_bytes = sum(t.numel() * t.element_size() for m in model.moe_layers() for t in m.experts.packed_tensors())
-    other = {str(t.dtype).removeprefix("torch.") for n, t in model.state_dict().items() if ".experts." not in n}
-    info = {
-        "version": EXPORT_VERSION, "expert_weights": fmt, "block_size": BLOCK, "scale": "e8m0 (uint8)",
-        "codes": "mxfp4: 2 E2M1 codes per byte, even element in the low nibble" if fmt == "mxfp4"
-        else "mxfp8: 1 E4M3 byte per element",
-        "layout": "experts.wN_codes / wN_scales hold wN transposed: [E, n_out, n_in/2 or n_in] and "
-                  "[E, n_out, n_in/32], blocks of 32 along the reduction dim n_in",
-        "other_tensors": sorted(other), "routed_expert_params": n_params, "routed_expert_bytes": n_bytes,
-        "routed_bits_per_param": 8 * n_bytes / n_params if n_params else None,
-        "source": {"checkpoint": manifest["path"], "step": manifest["step"], "qat": manifest["config"].get("qat")},
-    }
-    path = ckpt.save_checkpoint(out, int(manifest["step"]), model, None, config, data_state=manifest.get("data"),
-                                extra={EXPORT_KEY: info, **{k: v for k, v in manifest.get("extra", {}).items()
-                                                            if k in ("tokens", "tokenizer_sha256")}},
-                                keep_last=1)
-    for old in held:  # all earlier exports (checked above); pruning keeps a higher step than the new one
-        if old != path:
-            shutil.rmtree(old, ignore_errors=True)
-    log.debug("exported %s -> %s (%s routed experts, %.3f bits/param)", manifest["path"], path, fmt,
-             info["routed_bits_per_param"] or 0)
-    return path
-
-
-def _is_export(step_dir: Path) -> bool:
-    try:
-        return EXPORT_KEY in ckpt.read_manifest(step_dir, verify=False).get("extra", {})
-    except (OSError, ValueError):  # unreadable: not known to be an export, so not ours to replace
-        return False
 
 
 def _resolve(path: Path) -> Path | None:

@@ -1,9 +1,12 @@
-"""`k3 train`, `k3 eval`, `k3 sample` and `k3 demo`: thin commands over k3.train and k3.data."""
+"""`k3 train` and `k3 demo`: thin commands over k3.train and k3.data.
+
+`k3 train --nproc N` (and --ep/--fsdp/--pp) is k3.parallel.cli's: it adds those flags to this parser and runs
+the distributed run, or this command when there is one process.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -131,16 +134,16 @@ def _with_qat(config, args):
 
 
 # ---------------------------------------------------------------------- k3 train
+def check_resume_flags(args: argparse.Namespace) -> None:
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    from k3.parallel.cli import maybe_run_parallel
     from k3.train.plots import plot_all
     from k3.train.trainer import Trainer
 
-    if args.resume and args.overwrite:
-        raise ValueError("--resume continues the run in --out and --overwrite deletes it: give one of them")
-    code = maybe_run_parallel(args)  # --nproc/--ep/--fsdp/--pp: torchrun re-launch, or one rank of it
-    if code is not None:
-        return code
+    check_resume_flags(args)
     config = _with_qat(config_from_args(args), args)
     tc = _train_config(args)
     set_threads(args.threads)
@@ -193,61 +196,7 @@ def interruption_message(result, steps: int, out) -> str:
     return f"interrupted: {resume}"
 
 
-# ---------------------------------------------------------------------- k3 eval
-def cmd_eval(args: argparse.Namespace) -> int:
-    from k3.train.metrics import bits_per_byte
-    from k3.io import load_with_manifest
-    from k3.train.trainer import eval_batch_count, evaluate, resolve_device
-
-    for flag, value in (("--max-batches", args.max_batches), ("--batch-size", args.batch_size),
-                        ("--seq-len", args.seq_len)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
-    device = resolve_device(args.device)
-    model, manifest = load_with_manifest(args.ckpt, device=device)
-    data_dir = args.data or manifest.get("data", {}).get("data_dir")
-    if not data_dir:
-        raise ValueError("the checkpoint does not name its data; pass --data DIR")
-    if not args.data and not Path(data_dir).exists():
-        raise ValueError(f"the data the checkpoint was trained on ({data_dir}) is gone; pass --data DIR, a directory "
-                         "tokenized with the same tokenizer")
-    files = load_data_dir(data_dir)
-    trained = (manifest.get("data") or {}).get("tokenizer_hash")
-    if trained and files.tokenizer.fingerprint != trained:
-        raise ValueError(f"--data {data_dir} was tokenized with another tokenizer than the model's training data "
-                         f"(vocabulary {files.tokenizer.vocab_size}); its token ids would mean other text to the "
-                         "model: pass --data of the data the model was trained on")
-    seq_len = args.seq_len or manifest.get("data", {}).get("seq_len") or 256
-    from k3.train.trainer import check_dataset
-
-    if seq_len > model.config.max_context:
-        raise ValueError(f"--seq-len {seq_len} is longer than the model's max_context = {model.config.max_context}; "
-                         f"give --seq-len {model.config.max_context} or less")
-    check_dataset(files.val, "validation", model.config, 1, seq_len, 0)
-    t0 = time.perf_counter()
-    from tqdm.auto import tqdm
-
-    total = eval_batch_count(files.val, args.batch_size, seq_len, args.max_batches)
-    with tqdm(total=total, unit="batch", desc="eval", disable=args.quiet, file=sys.stderr, dynamic_ncols=True) as bar:
-        loss = evaluate(model, files.val, args.max_batches, args.batch_size, seq_len, device=device,
-                        progress=bar.update)
-    out = {"checkpoint": manifest["path"], "step": manifest["step"], "split": "val", "seq_len": seq_len,
-           "val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "seconds": round(time.perf_counter() - t0, 2)}
-    bpt = _bytes_per_token(files.val)
-    if bpt:
-        out["bytes_per_token"] = bpt
-        out["bits_per_byte"] = bits_per_byte(loss, bpt)
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        step = f"step {out['step']}" if out["step"] is not None else "released weights"
-        print(f"{out['checkpoint']} ({step}), val split, seq_len {seq_len}")
-        print(f"loss {loss:.4f} nats/token, perplexity {out['perplexity']:.2f}"
-              + (f", {out['bits_per_byte']:.4f} bits/byte ({bpt:.2f} bytes/token)" if bpt else ""))
-    return 0
-
-
-# ---------------------------------------------------------------------- k3 sample
+# ---------------------------------------------------------------------- sampling (k3 demo; k3 sample is k3.io.cli's)
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int,
                    tokens_flag: str = "--max-new-tokens") -> None:
     """The sampling flags' ranges, each named (NaN and infinity are refused: they fail inside the sampler)."""
@@ -280,24 +229,6 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, tempe
     if tokenizer.eos_id in out:
         out = out[:out.index(tokenizer.eos_id)]
     return prompt + tokenizer.decode(out, skip_special=skip_special)
-
-
-def cmd_sample(args: argparse.Namespace) -> int:
-    from k3.io import load_with_manifest
-    from k3.train.trainer import checkpoint_tokenizer, resolve_device
-
-    check_sampling(args.temperature, args.top_p, args.max_new_tokens)
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples {args.num_samples} must be >= 1")
-    model, manifest = load_with_manifest(args.ckpt, device=resolve_device(args.device))
-    tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
-    for i in range(args.num_samples):
-        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                             args.seed + i, skip_special=not args.keep_special)
-        if args.num_samples > 1:
-            print(f"--- sample {i + 1}")
-        print(text)
-    return 0
 
 
 # ---------------------------------------------------------------------- k3 demo
@@ -473,37 +404,7 @@ def register(sub) -> None:
                         "optional overrides, e.g. --qat linears=mxfp4 or --qat activations=none "
                         "(keys expert_weights, activations, linears; formats mxfp4, mxfp8, none)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    from k3.parallel.cli import add_parallel_args
-
-    add_parallel_args(p)
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a checkpoint")
-    p.add_argument("--ckpt", default="runs/train/checkpoint",
-                   help="checkpoint dir or root (default runs/train/checkpoint)")
-    p.add_argument("--data", default=None, help="tokenized data dir (default: the one the checkpoint was trained on)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=None, help="default: the training seq_len")
-    p.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_eval)
-
-    p = sub.add_parser("sample", help="generate text from a checkpoint")
-    p.add_argument("--ckpt", default="runs/train/checkpoint", help="checkpoint dir or root")
-    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=seed_type, default=0)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--keep-special", action="store_true",
-                   help="print the special tokens the model writes (<|end|>, <|tool_call|>, ...); by default they "
-                        "are left out, as the server's completions do")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint names)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=cmd_train)  # k3.parallel.cli adds --nproc/--ep/--fsdp/--pp and wraps it
 
     p = sub.add_parser("demo", help="tokenize the embedded corpus, train `mini` for a few minutes, report",
                        description="The end-to-end demo: tokenizer + datasets from the Python standard library, "
