@@ -1,7 +1,9 @@
-"""Checks the commands run on their flags before any work, each raising a ValueError that names the flag."""
+"""Checks the commands run on their flags before any work, each raising a ValueError that names the flag; and the
+flags of config fields (`flag`, `add_flags`, `from_args`), so a setting has one name, default and help."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 
@@ -113,6 +115,8 @@ def as_flags(make, flags: dict[str, str]):
 
     try:
         return make()
+    except FieldError as e:
+        raise ValueError(e.named(flags.get(e.field))) from None
     except ValueError as e:
         msg = str(e)
         for field, flag in flags.items():
@@ -120,3 +124,68 @@ def as_flags(make, flags: dict[str, str]):
             if "_" in field or field == "beta":  # identifiers, never words of the message's prose
                 msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
         raise ValueError(msg) from None
+
+
+# ---------------------------------------------------------------------- flags from config fields
+class FieldError(ValueError):
+    """A config field's bad value, raised by a config's validate(). str() names the field (`group_size = 1: ...`);
+    `named(flag)` is the same message naming the flag that set it (`--group-size 1: ...`), as a command reports it."""
+
+    def __init__(self, field: str, rest: str):
+        super().__init__(f"{field} = {rest}")
+        self.field, self.rest = field, rest
+
+    def named(self, flag: str | None) -> str:
+        return f"{flag} {self.rest}" if flag else str(self)
+
+
+def flag(default=dataclasses.MISSING, help: str | None = None, *, name: str | None = None, **argparse_kw):
+    """A dataclass field that is also a command-line flag: `--kebab-name` (or `name`), its default the field's,
+    its type the annotation's (int, float, str; `X | None` is X; a bool is a switch), `help` and any other
+    argparse keyword (choices, metavar, action, type) as given. `add_flags` adds it, `from_args` reads it back."""
+    return dataclasses.field(default=default, metadata={"flag": {"name": name, "help": help, **argparse_kw}})
+
+
+def _flag_fields(cls, only=None, skip=()):
+    for f in dataclasses.fields(cls):
+        if "flag" in f.metadata and f.name not in skip and (only is None or f.name in only):
+            yield f
+
+
+def flag_name(cls, field: str) -> str:
+    """The flag that sets `field` of config class `cls` (its `flag(name=...)`, else --kebab-name)."""
+    meta = next((f.metadata.get("flag") for f in dataclasses.fields(cls) if f.name == field), None) or {}
+    return meta.get("name") or "--" + field.replace("_", "-")
+
+
+def _flag_type(f):
+    hint = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    base = hint.replace(" ", "").replace("|None", "").replace("None|", "")
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(base)
+
+
+def add_flags(parser, cls, only=None, skip=(), defaults: dict | None = None) -> None:
+    """One flag per field of `cls` made with `flag()` (`only` / `skip`: field names), dest the field's name;
+    `defaults` overrides a field's default for this command."""
+    for f in _flag_fields(cls, only, skip):
+        kw = {k: v for k, v in f.metadata["flag"].items() if k != "name" and v is not None}
+        default = (defaults or {}).get(f.name, f.default)
+        typ = _flag_type(f)
+        if typ is bool or kw.get("action") in ("store_true", "store_false"):
+            kw.setdefault("action", "store_false" if default else "store_true")
+        else:
+            if "type" not in kw and typ is not None and typ is not str:
+                kw["type"] = typ
+            if "choices" not in kw:  # `--groups GROUPS`, not the dest's GROUPS_PER_STEP
+                kw.setdefault("metavar", flag_name(cls, f.name).lstrip("-").replace("-", "_").upper())
+        parser.add_argument(flag_name(cls, f.name), dest=f.name, default=default, **kw)
+
+
+def from_args(cls, args, only=None, skip=(), **over):
+    """cls(...) from the parsed flags that `add_flags` added (and `over`), validated; a FieldError becomes the
+    same message naming the flag."""
+    values = {f.name: getattr(args, f.name) for f in _flag_fields(cls, only, skip) if hasattr(args, f.name)}
+    try:
+        return cls(**{**values, **over}).validate()
+    except FieldError as e:
+        raise ValueError(e.named(flag_name(cls, e.field))) from None

@@ -151,8 +151,11 @@ def test_rl_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch):
         (train + ["--init", "../warmstart"], "--init '../warmstart' must be a plain directory name"),
         (train + ["--init", "g1", "--name", "g1"], "--init g1 and --name g1 are the same run"),
         (train + ["--decay-frac", "2"], "--decay-frac 2.0 must be a fraction"),
-        (train + ["--eps-low", "1.5"], "need 0 < --eps-low < 1, --eps-high > 0 and --beta >= 0"),
+        (train + ["--eps-low", "1.5"], "--eps-low 1.5 must be in (0, 1)"),
+        (train + ["--beta", "-1"], "--beta -1.0 must be >= 0"),
         (train + ["--group-size", "1"], "--group-size 1: group-relative advantages need at least 2"),
+        (train + ["--groups", "0"], "--groups 0 must be a positive integer"),
+        (train + ["--micro-batch", "-1"], "--micro-batch -1 must be an integer >= 0"),
     ]
     for argv, says in cases:
         assert main(argv) == 2, argv

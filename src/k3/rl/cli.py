@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import MATPLOTLIB_PLOTS, as_flags, at_least, output_file, output_png, seed as seed_type
+from k3.cli_checks import (MATPLOTLIB_PLOTS, add_flags, as_flags, at_least, from_args, output_file, output_png,
+                           seed as seed_type)
 from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
@@ -89,13 +90,10 @@ def _check_fresh(run: Path, args, other: str) -> None:
                          f"or {other}")
 
 
-# config field -> the flag that sets it, so a config's error names what the user typed
-_FLAGS = {"groups_per_step": "--groups", "group_size": "--group-size", "max_tokens": "--max-tokens",
-          "updates_per_batch": "--updates-per-batch", "micro_batch": "--micro-batch", "temperature": "--temperature",
-          "agg": "--agg", "harness": "--harness", "fixed_dialect": "--fixed-dialect", "eps_low": "--eps-low",
-          "eps_high": "--eps-high", "beta": "--beta", "max_turns": "--max-turns", "steps": "--steps", "lr": "--lr",
-          "warmup_steps": "--warmup", "decay_frac": "--decay-frac", "ckpt_every": "--ckpt-every",
-          "keep_last": "--keep-last", "grad_clip": "--grad-clip"}
+# LoopConfig field -> the flag that sets it, so its error names what the user typed (GRPOConfig's flags come from
+# its fields: k3.cli_checks.add_flags / from_args)
+_FLAGS = {"steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup", "decay_frac": "--decay-frac",
+          "ckpt_every": "--ckpt-every", "keep_last": "--keep-last", "grad_clip": "--grad-clip"}
 
 
 def _validated(make):
@@ -262,11 +260,7 @@ def cmd_warmstart(args) -> dict:
 
 def _grpo_config(args):
     from k3.rl.train import GRPOConfig
-    return _validated(lambda: GRPOConfig(
-        groups_per_step=args.groups, group_size=args.group_size, temperature=args.temperature,
-        max_tokens=args.max_tokens, updates_per_batch=args.updates_per_batch, eps_low=args.eps_low,
-        eps_high=args.eps_high, beta=args.beta, agg=args.agg, scale_rewards=not args.no_std, harness=args.harness,
-        fixed_dialect=args.fixed_dialect, max_turns=args.max_turns, micro_batch=args.micro_batch).validate())
+    return from_args(GRPOConfig, args)
 
 
 def cmd_train(args) -> dict:
@@ -474,10 +468,11 @@ def cmd_demo(args) -> dict:
     # the recipe of docs/rl.md's evidence runs: dialects swapped per episode (their own tool names: renamed
     # ones give a warm start this small almost no success to learn from), episodes weighed equally, a KL term
     train = argparse.Namespace(**common, init="warmstart", name="grpo", harness="canonical",
-                               tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"], groups=DEMO["groups"],
-                               group_size=DEMO["group_size"], temperature=1.0, updates_per_batch=1, eps_low=0.2,
-                               eps_high=0.28, beta=0.04, agg="sequence", no_std=False, lr=3e-4, warmup=2,
-                               decay_frac=0.0, ckpt_every=DEMO["grpo_steps"] // 2, micro_batch=0)
+                               tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"],
+                               groups_per_step=DEMO["groups"], group_size=DEMO["group_size"], temperature=1.0,
+                               updates_per_batch=1, eps_low=0.2, eps_high=0.28, beta=0.04, agg="sequence",
+                               scale_rewards=True, lr=3e-4, warmup=2, decay_frac=0.0,
+                               ckpt_every=DEMO["grpo_steps"] // 2, micro_batch=0)
     try:
         out = {"warmstart": cmd_warmstart(warm)}
         out["grpo"] = cmd_train(train)
@@ -553,25 +548,10 @@ def register(subparsers) -> None:
     t.set_defaults(warmup=0)
     t.add_argument("--init", default="warmstart", help="stage or run under ROOT to start from (default warmstart)")
     t.add_argument("--name", default="swap", help="run directory under ROOT")
-    t.add_argument("--harness", choices=("swap", "canonical", "fixed"), default="swap",
-                   help="swap: dialect and tool names drawn per episode; canonical: dialect drawn, canonical names; "
-                        "fixed: one dialect, canonical names")
-    t.add_argument("--fixed-dialect", default="react", help="the dialect of --harness fixed")
     t.add_argument("--tasks-per-kind", type=int, default=16)
-    t.add_argument("--groups", type=int, default=4, help="tasks per step")
-    t.add_argument("--group-size", type=int, default=4, help="rollouts per task (G)")
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--max-tokens", type=int, default=96, help="longest reply per turn")
-    t.add_argument("--max-turns", type=int, default=None, help="turns per episode (default: the task's limit)")
-    t.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps per batch of rollouts (mu)")
-    t.add_argument("--eps-low", type=float, default=0.2)
-    t.add_argument("--eps-high", type=float, default=0.28)
-    t.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the initial model (0: none)")
-    t.add_argument("--agg", choices=("token", "sequence"), default="token")
-    t.add_argument("--micro-batch", type=int, default=0,
-                   help="episodes per forward/backward (0: all of a step's at once); lowers peak memory, same "
-                        "gradient; may differ between a run and its resume")
-    t.add_argument("--no-std", action="store_true", help="advantages without dividing by the group's std")
+    from k3.rl.train import GRPOConfig
+
+    add_flags(t, GRPOConfig)  # --groups, --group-size, ... --no-std: GRPOConfig's fields
     t.set_defaults(graceful=True, func=lambda a: _run(cmd_train, a))
 
     e = sub.add_parser("eval", help="greedy success on held-out tasks under the training and the unseen harness")

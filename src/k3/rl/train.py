@@ -28,6 +28,7 @@ import torch
 from k3.agentenv.dialects import choose_variant, make_dialect
 from k3.agentenv.rollout import run_episode
 from k3.agentenv.sandbox import SandboxConfig
+from k3.cli_checks import FieldError, flag
 from k3.distill.loop import LoopConfig, StepLoop
 from k3.distill.sft import PAD_ID, masked_ce
 from k3.fileio import atomic_write_json
@@ -180,49 +181,56 @@ def run_warmstart(model, tokenizer, demos: Sequence[dict], config: LoopConfig, o
 # ---------------------------------------------------------------------------------------- GRPO
 @dataclass
 class GRPOConfig:
-    groups_per_step: int = 4        # tasks per step
-    group_size: int = 4             # rollouts per task (G)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 96            # per reply (the longest demonstrated call is under 80 tokens)
-    updates_per_batch: int = 1      # mu: optimizer steps per batch of rollouts
-    eps_low: float = 0.2
-    eps_high: float = 0.28          # DAPO's clip-higher
-    beta: float = 0.0               # KL to the reference (the initial model); 0 = no reference forward
-    agg: str = "token"
-    scale_rewards: bool = True
-    harness: str = "swap"           # swap | canonical | fixed
-    fixed_dialect: str = "react"
-    max_turns: int | None = None    # None: the task's own step limit
-    micro_batch: int = 0            # episodes per forward/backward (0: all of a step's at once); bounds memory
+    """GRPO's settings; each is also a `k3 rl train` flag (k3.cli_checks.flag), with this name, default and help."""
+
+    groups_per_step: int = flag(4, "tasks per step", name="--groups")
+    group_size: int = flag(4, "rollouts per task (G)")
+    temperature: float = flag(1.0)
+    top_p: float = 1.0  # not a flag: GRPO's log-probs are of the whole distribution (validate)
+    max_tokens: int = flag(96, "longest reply per turn")  # the longest demonstrated call is under 80 tokens
+    updates_per_batch: int = flag(1, "optimizer steps per batch of rollouts (mu)")
+    eps_low: float = flag(0.2)
+    eps_high: float = flag(0.28)  # DAPO's clip-higher
+    beta: float = flag(0.0, "KL coefficient to the initial model (0: none)")  # 0: no reference forward
+    agg: str = flag("token", choices=AGGREGATIONS)
+    scale_rewards: bool = flag(True, "advantages without dividing by the group's std", name="--no-std")
+    harness: str = flag("swap", "swap: dialect and tool names drawn per episode; canonical: dialect drawn, canonical "
+                        "names; fixed: one dialect, canonical names", choices=("swap", "canonical", "fixed"))
+    fixed_dialect: str = flag("react", "the dialect of --harness fixed")
+    max_turns: int | None = flag(None, "turns per episode (default: the task's limit)")
+    micro_batch: int = flag(0, "episodes per forward/backward (0: all of a step's at once); lowers peak memory, "
+                            "same gradient; may differ between a run and its resume")
 
     def validate(self) -> "GRPOConfig":
         for name in ("groups_per_step", "group_size", "max_tokens", "updates_per_batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} = {v!r} must be a positive integer")
+                raise FieldError(name, f"{v!r} must be a positive integer")
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 0:
-            raise ValueError(f"micro_batch = {self.micro_batch!r} must be an integer >= 0 (0: one forward for all "
+            raise FieldError("micro_batch", f"{self.micro_batch!r} must be an integer >= 0 (0: one forward for all "
                              "of a step's episodes)")
         if self.group_size < 2:
-            raise ValueError(f"group_size = {self.group_size}: group-relative advantages need at least 2 rollouts "
+            raise FieldError("group_size", f"{self.group_size}: group-relative advantages need at least 2 rollouts "
                              "per task")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature = {self.temperature} must be > 0: GRPO learns from sampled rollouts")
+            raise FieldError("temperature", f"{self.temperature} must be > 0: GRPO learns from sampled rollouts")
         if self.top_p != 1.0:
-            raise ValueError(f"top_p = {self.top_p}: GRPO's ratios and KL use log-probs of the whole distribution "
+            raise FieldError("top_p", f"{self.top_p}: GRPO's ratios and KL use log-probs of the whole distribution "
                              "(at the sampling temperature), so nucleus-truncated rollouts would be off-policy; "
                              "use top_p = 1 and control the spread with temperature")
         _check_max_turns(self.max_turns)
         if self.agg not in AGGREGATIONS:
-            raise ValueError(f"agg = {self.agg!r} must be one of {AGGREGATIONS}")
+            raise FieldError("agg", f"{self.agg!r} must be one of {AGGREGATIONS}")
         if self.harness not in ("swap", "canonical", "fixed"):
-            raise ValueError(f"harness = {self.harness!r} must be swap, canonical or fixed (the unseen harness is "
+            raise FieldError("harness", f"{self.harness!r} must be swap, canonical or fixed (the unseen harness is "
                              "for evaluation only)")
         episode_config(self.harness, self.fixed_dialect)  # checks the dialect
-        if not (0 < self.eps_low < 1 and self.eps_high > 0 and self.beta >= 0):
-            raise ValueError(f"need 0 < eps_low < 1, eps_high > 0 and beta >= 0 (got {self.eps_low}, "
-                             f"{self.eps_high}, {self.beta})")
+        if not 0 < self.eps_low < 1:
+            raise FieldError("eps_low", f"{self.eps_low} must be in (0, 1)")
+        if not self.eps_high > 0:
+            raise FieldError("eps_high", f"{self.eps_high} must be > 0")
+        if not self.beta >= 0:
+            raise FieldError("beta", f"{self.beta} must be >= 0 (0: no KL term)")
         return self
 
 
