@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from k3.agentenv.policies import ScriptedPolicy
 from k3.agentenv.rollout import EpisodeConfig, format_summary, run_episode, run_rollouts, summarize
 from k3.agentenv.tasks import load_task, load_tasks, tasks_root
@@ -27,6 +29,62 @@ def test_broken_sandbox_scores_zero(sandbox):
     sol = list(task.solution[:-1]) + [{"tool": "run", "command": "kill -9 -1"}]
     rec = run_episode(task, ScriptedPolicy(sol), 0, EpisodeConfig(sandbox=sandbox))
     assert rec["status"] == "sandbox_error" and rec["reward"] == 0.0
+    assert rec["scoring"] == "counted" and rec["exclusion"] is None  # the agent broke it: the 0 counts
+
+
+RUN_SCRIPT = """
+import sys
+from k3.agentenv.rollout import run_rollouts
+from k3.agentenv.tasks import load_tasks
+run_rollouts(load_tasks("pyfix-median,files-organize"), {"kind": "reference"}, 8, workers=1, seed=0, out=sys.argv[1])
+"""
+
+
+def test_a_killed_run_keeps_its_finished_episodes_and_resumes(sandbox, tmp_path):
+    """SIGKILL of a run lost every episode (they sat in a temporary file the next run deleted): each is appended and
+    fsynced as it finishes, and resume runs only the others; a line cut short by the kill is dropped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "r.jsonl"
+    p = subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, str(out)], start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 3):
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    kept = out.read_bytes()
+    kept = kept[:kept.rfind(b"\n") + 1]
+    n = kept.count(b"\n")
+    assert 3 <= n < 8, n
+    out.write_bytes(kept + b'{"task_id": "pyfix-med')  # what a kill in the middle of a write leaves
+    tasks = load_tasks("pyfix-median,files-organize")
+    recs = run_rollouts(tasks, {"kind": "reference"}, 8, workers=1, seed=0, out=out, resume=True)
+    assert [r["episode"] for r in recs] == list(range(8)) and all(r["reward"] == 1.0 for r in recs)
+    data = out.read_bytes()
+    assert data.startswith(kept) and data.count(b"\n") == 8  # the finished ones kept as they were, none redone
+    assert sorted(json.loads(line)["episode"] for line in data.splitlines()) == list(range(8))
+    with pytest.raises(ValueError, match="another run"):  # other seeds: not this run's episodes
+        run_rollouts(tasks, {"kind": "reference"}, 8, workers=1, seed=1, out=out, resume=True)
+    assert out.read_bytes() == data
+
+
+def test_cli_resume(sandbox, tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    args = ["agentenv", "run", "--tasks", "files-greet-exec", "--policy", "reference", "--episodes", "2",
+            "--workers", "1", "--out", str(out)]
+    assert main(args) == 0
+    first = out.read_bytes()
+    assert main(args + ["--resume"]) == 0 and out.read_bytes() == first  # nothing left to run
+    text = capsys.readouterr().out
+    assert "excluded: 0 of 2 episodes (0.0%)" in text
+    out.write_bytes(b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    assert main(args + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "not a trajectory record (nested deeper than" in err and "Traceback" not in err
 
 
 def test_cli(sandbox, tmp_path, capsys):

@@ -129,6 +129,15 @@ def test_pyfunc_answers_cannot_reach_each_other(domains):
     assert dom.check(ps, answers) == [1.0, 0.0, 0.0, 1.0]
 
 
+def test_pyfunc_an_answer_that_kills_the_verifier_scores_0_alone(domains):
+    """Killing the shared verification sandbox (its parent process) failed the whole batch with a ValueError: the
+    answer's own doing is its 0 (AgentENV labels it counted), and the others are checked without it."""
+    dom = domains["pyfunc"]
+    ps = [dom.sample(dm.problem_rng("kill", i)) for i in range(3)]
+    killer = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef f(xs):\n    return None\n"
+    assert dom.check(ps, [ps[0].answer, killer, ps[2].answer]) == [1.0, 0.0, 1.0]
+
+
 def test_pyfunc_hidden_cases_tell_the_spec_from_every_other(domains):
     """No other spec of the 279 passes a problem's hidden cases (4 random short lists let about a quarter of
     the problems accept another spec's function)."""

@@ -86,8 +86,8 @@ def test_bad_input_is_recorded_counted_and_excluded(tiny_rl_model, rl_tokenizer,
         rec = fake_episode(lambda *a: float(k % 2))(task, policy, seed, config)
         if k % 4 == 3:
             rec["reward"] = "1.0"
-        if k % 8 == 0 and seed % 2:
-            rec["status"] = "sandbox_error"
+        if k % 8 == 0 and seed % 2:  # a sandbox that could not start: AgentENV labels it excluded
+            rec.update(status="sandbox_error", scoring="excluded", exclusion="sandbox_start")
         return rec
 
     trainer = GRPOTrainer(tiny_rl_model, rl_tokenizer, tasks, GRPOConfig(groups_per_step=3, group_size=4, max_tokens=4),
@@ -124,9 +124,10 @@ def test_context_overflow_is_not_a_reward(tiny_rl_model, rl_tokenizer, rl_tasks,
     assert success_table(trajs)["all"]["usable"] == 0 and success_table(trajs)["all"]["success"] is None
 
 
-def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, monkeypatch):
-    """The verification probe failing leaves a record with reward 0 and `verifier.error`: that reward says
-    nothing about the answer, so the episode is excluded as crashed, not trained on as a failure."""
+def test_a_broken_verifier_is_a_crash_and_a_broken_answer_a_reward_of_0(rl_tasks, sandbox_ok, monkeypatch):
+    """Fail closed: a verification that fails on the answer's workspace (its code can kill, hang or flood the
+    verifier) is a 0 that counts and is trained on. Only when the same checks fail on the task's clean workspace too
+    (the control: our verifier is broken) is the episode excluded as crashed."""
     import k3.agentenv.verify as verify
     from k3.agentenv.rollout import run_episode
     from k3.agentenv.sandbox import SandboxError, SandboxTimeout
@@ -137,20 +138,43 @@ def test_a_broken_verifier_is_a_crash_not_a_reward_of_0(rl_tasks, sandbox_ok, mo
 
     task, cfg = rl_tasks["train"][0], episode_config("canonical")
     good = run_episode(task, DemoPolicy(task), 5, cfg)
-    assert good["reward"] == 1.0 and classify(good, P()) == (None, None)
+    assert good["reward"] == 1.0 and good["scoring"] == "counted" and classify(good, P()) == (None, None)
+    real = verify.run_probe
 
-    def broken(*args, **kwargs):
-        raise SandboxError("the probe could not start")
-    monkeypatch.setattr(verify, "run_probe", broken)
-    rec = run_episode(task, DemoPolicy(task), 5, cfg)
-    assert rec["status"] == "finished" and rec["reward"] == 0.0 and rec["verifier"]["error_kind"] == "sandbox"
-    assert classify(rec, P()) == ("crashed", "verifier: the probe could not start")
+    for error in (SandboxError("sandbox exited without answering"), SandboxTimeout("sandbox did not answer within 60.0s")):
+        calls = []
 
-    def slow(*args, **kwargs):  # out of time: the answer's own code may be why, so it keeps its 0
-        raise SandboxTimeout("sandbox did not answer within 60.0s")
-    monkeypatch.setattr(verify, "run_probe", slow)
-    rec = run_episode(task, DemoPolicy(task), 5, cfg)
-    assert rec["verifier"]["error_kind"] == "timeout" and classify(rec, P()) == (None, None)
+        def first_fails(payload, *args, **kwargs):  # the answer's verification fails, the control's runs
+            calls.append(payload)
+            if len(calls) == 1:
+                if kwargs.get("probe") is not None:
+                    kwargs["probe"].close()
+                raise error
+            return real(payload, *args, **kwargs)
+        monkeypatch.setattr(verify, "run_probe", first_fails)
+        rec = run_episode(task, DemoPolicy(task), 5, cfg)
+        assert len(calls) == 2 and rec["status"] == "finished" and rec["reward"] == 0.0
+        assert rec["scoring"] == "counted" and rec["verifier"]["control"].startswith("clean")
+        assert classify(rec, P()) == (None, None)
+
+        def broken(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(verify, "run_probe", broken)
+        rec = run_episode(task, DemoPolicy(task), 5, cfg)
+        assert rec["reward"] == 0.0 and rec["scoring"] == "excluded" and rec["exclusion"] == "verifier_bug"
+        assert classify(rec, P()) == ("crashed", f"verifier_bug: verifier: {error}")
+
+
+def test_classify_reads_agentenv_labels():
+    class P:
+        context_exceeded, failure = False, None
+
+    counted = {"status": "sandbox_error", "reward": 0.0, "error": "sandbox exited without answering",
+               "scoring": "counted", "exclusion": None}
+    assert classify(counted, P()) == (None, "sandbox exited without answering")  # the agent broke it: a 0
+    excluded = dict(counted, error="could not start bubblewrap", scoring="excluded", exclusion="sandbox_start")
+    assert classify(excluded, P()) == ("crashed", "sandbox_start: could not start bubblewrap")
+    assert classify({"status": "worker_error", "reward": 0.0, "error": "BrokenProcessPool"}, P())[0] == "crashed"
 
 
 def test_an_interrupt_stops_the_episode_threads_before_it_propagates(tiny_rl_model, rl_tokenizer, rl_tasks):

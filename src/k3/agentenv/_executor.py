@@ -82,6 +82,27 @@ def resolve(path):
     return real
 
 
+def open_regular(path, flags, shown):
+    """A file descriptor of the regular file at `path`. Opened non-blocking: opening a FIFO the agent handed to a
+    file tool blocked this process (and the episode) until the host gave up on it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise ValueError("%s is not a regular file (a directory, FIFO, socket or device); the file tools work "
+                         "on regular files only" % shown)
+    fd = os.open(path, flags | os.O_NONBLOCK, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("%s is not a regular file; the file tools work on regular files only" % shown)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def op_init(req):
     for f in req["files"]:
         p = resolve(f["path"])
@@ -96,15 +117,13 @@ def op_read(req):
     """Lines offset .. offset+limit-1 of a file, at most read_bytes of them (a line longer than that is cut and
     says so); the whole file is scanned for its line count, so any part of it can be read."""
     p = resolve(req["path"])
-    st = os.stat(p)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError("%s is not a regular file" % req["path"])
+    fd = open_regular(p, os.O_RDONLY, req["path"])
     offset = 1 if req.get("offset") is None else int(req["offset"])
     limit = 2000 if req.get("limit") is None else int(req["limit"])
     if offset < 1 or limit < 1:
         raise ValueError("the first line and the number of lines must be >= 1")
     cap, used, chunk, cut, full, total = int(CFG["read_bytes"]), 0, [], False, False, 0
-    with open(p, "rb") as fh:
+    with os.fdopen(fd, "rb") as fh:
         for total, raw in enumerate(fh, 1):
             if offset <= total < offset + limit and not full:
                 if used + len(raw) > cap:  # the byte cap: end on the line before, or cut a first line alone
@@ -125,14 +144,14 @@ def op_write(req):
         raise ValueError("%s is a directory" % req["path"])
     os.makedirs(os.path.dirname(p), exist_ok=True)
     data = req["content"].encode("utf-8")
-    with open(p, "wb") as fh:
+    with os.fdopen(open_regular(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, req["path"]), "wb") as fh:
         fh.write(data)
     return {"ok": True, "bytes": len(data)}
 
 
 def op_edit(req):
     p = resolve(req["path"])
-    with open(p, "rb") as fh:
+    with os.fdopen(open_regular(p, os.O_RDONLY, req["path"]), "rb") as fh:
         text = fh.read().decode("utf-8")
     old, new = req["old"], req["new"]
     if not old:
@@ -145,7 +164,7 @@ def op_edit(req):
         raise ValueError("old text occurs %d times in %s; include more context to make it unique, "
                          "or ask the edit tool to replace every occurrence" % (n, req["path"]))
     text = text.replace(old, new) if req.get("replace_all") else text.replace(old, new, 1)
-    with open(p, "wb") as fh:
+    with os.fdopen(open_regular(p, os.O_WRONLY | os.O_TRUNC, req["path"]), "wb") as fh:
         fh.write(text.encode("utf-8"))
     return {"ok": True, "replacements": n if req.get("replace_all") else 1}
 

@@ -6,16 +6,23 @@ episode's sandbox is gone (argv: ROOT CONFIG_JSON; stdin: one JSON payload). Sta
 It reports what it observed (return values, query rows, command output). It never sees the expected
 values — they stay on the host — so whatever agent code running beside it does, it can only change
 observations, and matching the hidden expectations means computing the right answers.
-Each check group starts from a freshly written copy of the workspace, in a child process with its
-own limits and timeout, and every process left over is killed before the next group.
+Each check group starts from a freshly written copy of the workspace, an empty /tmp (HOME), /dev/shm and
+inputs directory, in a child process with its own limits and timeout, and every process left over is killed
+before the next group: nothing one check's code leaves behind (a usercustomize.py in HOME, a daemon, a file)
+reaches another. Python runs with -s -S (no user site, no `site`) and PYTHONNOUSERSITE=1.
+
+Before it reads the payload it says {"ready": true}: a probe that fails before that line failed before anything
+of the episode's reached it.
 """
 import base64
 import json
 import os
+import re
 import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +30,7 @@ import time
 ROOT = os.path.realpath(sys.argv[1])
 CFG = json.loads(sys.argv[2])
 PY = sys.executable or "/usr/bin/python3"
+PYTHON_NAME = re.compile(r"python(3(\.\d+)?)?$")
 
 
 def harden():
@@ -64,6 +72,19 @@ def kill_leftovers():
 
 
 def clear(path):
+    """Empty `path`. Code under test may have taken its own permissions away (a directory of mode 0, or 0555
+    with files inside): every directory gets rwx first, and anything that still stays is an error, never a
+    file carried into the next check."""
+    st = os.lstat(path)
+    if st.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+        os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
+    stack = [path]
+    while stack:
+        d = stack.pop()
+        for e in os.scandir(d):
+            if e.is_dir(follow_symlinks=False):
+                os.chmod(e.path, stat.S_IRWXU)
+                stack.append(e.path)
     for name in os.listdir(path):
         p = os.path.join(path, name)
         if os.path.isdir(p) and not os.path.islink(p):
@@ -73,11 +94,26 @@ def clear(path):
                 os.unlink(p)
             except OSError:
                 pass
+    left = os.listdir(path)
+    if left:
+        raise RuntimeError("could not clear %s between checks (%d entries stay)" % (path, len(left)))
+
+
+def fresh_env():
+    """The environment of one check, with its scratch space emptied: HOME and TMPDIR (the same directory) and,
+    alone in a PID namespace, /dev/shm."""
+    env = dict(CFG["env"], PYTHONNOUSERSITE="1")
+    for d in sorted({env["HOME"], env["TMPDIR"]} | ({"/dev/shm"} if CFG.get("pidns") else set())):
+        if os.path.isdir(d):
+            clear(d)
+    return env
 
 
 def materialize(entries):
-    """Write the exported workspace (validated by the host) into ROOT; drop bytecode caches."""
+    """Write the exported workspace (validated by the host) into an emptied ROOT (and empty the inputs
+    directory); drop bytecode caches."""
     clear(ROOT)
+    clear(CFG["inputs_dir"])
     for e in entries:
         p = os.path.join(ROOT, e["path"])
         parts = e["path"].split("/")
@@ -97,7 +133,9 @@ def materialize(entries):
 
 
 def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536, err_cap=4096):
-    """Run argv with limits; returns dict(exit_code, timed_out, stdout, stderr[, results])."""
+    """Run argv with limits in a fresh environment (fresh_env); returns dict(exit_code, timed_out, stdout,
+    stderr[, results])."""
+    env = fresh_env()
     fds = {}
     rfd = wfd = None
     pass_fds = ()
@@ -105,7 +143,7 @@ def run_child(argv, stdin, timeout, *, result_fd=False, cwd=None, out_cap=65536,
         rfd, wfd = os.pipe()
         pass_fds = (wfd,)
         stdin = stdin.replace(b"__RESULT_FD__", str(wfd).encode())
-    proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=dict(CFG["env"]), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(argv, cwd=cwd or ROOT, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds,
                             preexec_fn=child_limits, close_fds=True)
     if wfd is not None:
@@ -254,13 +292,14 @@ def sql_group(db, checks, runners, entries):
 def command_check(c, entries):
     materialize(entries)
     inputs = CFG["inputs_dir"]
-    clear(inputs)
     for rel, text in sorted(c.get("inputs", {}).items()):
         p = os.path.join(inputs, rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
         with open(p, "w") as fh:
             fh.write(text)
     argv = [a.replace("{inputs}", inputs).replace("{workspace}", ROOT) for a in c["argv"]]
+    if PYTHON_NAME.match(os.path.basename(argv[0])):  # a task's python3 check: no user site, no `site` hooks
+        argv[1:1] = ["-s", "-S"]
     cwd = inputs if c.get("cwd") == "inputs" else ROOT
     try:
         res = run_child(argv, c.get("stdin", "").encode(), float(c.get("timeout",
@@ -273,6 +312,8 @@ def command_check(c, entries):
 
 def main():
     harden()
+    sys.stdout.write('{"ready": true}\n')  # started: from here on the failures may be the workspace's doing
+    sys.stdout.flush()
     payload = json.loads(sys.stdin.buffer.read())
     entries, checks, runners = payload["entries"], payload["checks"], payload["runners"]
     observations = {}

@@ -3,9 +3,14 @@
 Runs as `python3 -I -S -c` in the verification sandbox; no agent code runs in this process. The
 database file must be a regular file (not a symlink); triggers and views are reported, not trusted;
 `trusted_schema=OFF` and a progress limit stop a crafted schema from running long or doing much.
+
+Each schema object's kind is read from its SQL, as SQLite's own schema loader does: the `type` column is
+only a label, and `PRAGMA writable_schema` lets the agent set it to anything ('Trigger', or 'table' on a
+CREATE TRIGGER). Both are reported; the host compares them.
 """
 import json
 import os
+import re
 import sqlite3
 import stat
 import sys
@@ -17,6 +22,38 @@ def value(v):
     if isinstance(v, float) and v != v:
         return {"$float": "nan"}
     return v
+
+
+_WORD = re.compile(r"[A-Za-z_]+")
+_SPACE = " \t\n\f\r\v"  # SQLite's whitespace
+
+
+def sql_kind(sql):
+    """The object a CREATE statement makes, read the way SQLite's tokenizer reads it (any case, any spacing,
+    comments between the words; TEMP, UNIQUE and IF NOT EXISTS aside): 'table', 'virtual table', 'view',
+    'index', 'trigger', or None for anything else."""
+    words, i, n = [], 0, len(sql or "")
+    while sql and i < n and len(words) < 5:
+        if sql[i] in _SPACE:
+            i += 1
+        elif sql.startswith("--", i):
+            j = sql.find("\n", i)
+            i = n if j < 0 else j + 1
+        elif sql.startswith("/*", i):
+            j = sql.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+        else:
+            m = _WORD.match(sql, i)
+            if not m:
+                break
+            words.append(m.group().lower())
+            i = m.end()
+    if words[:1] != ["create"]:
+        return None
+    rest = [w for w in words[1:] if w not in ("temp", "temporary", "unique")]
+    if rest[:2] == ["virtual", "table"]:
+        return "virtual table"
+    return rest[0] if rest and rest[0] in ("table", "view", "index", "trigger") else None
 
 
 def main():
@@ -44,15 +81,16 @@ def main():
     for q in payload["queries"]:
         try:
             if q["kind"] == "sql_schema":
-                objects = conn.execute(
-                    "SELECT type, name, tbl_name FROM sqlite_master ORDER BY type, name").fetchall()
+                rows = conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master ORDER BY type, name")
+                objects = [[t, name, tbl, sql_kind(sql)] for t, name, tbl, sql in rows.fetchall()]
                 integrity = conn.execute("PRAGMA integrity_check").fetchall()
                 # a "table" can still compute its values at read time: a virtual table, or generated columns
                 # (pragma table_xinfo hidden 2 = virtual, 3 = stored generated; both are expressions, not data)
                 virtual, generated = [], {}
-                for name, sql in conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'"):
-                    if (sql or "").lstrip().upper().startswith("CREATE VIRTUAL TABLE"):
+                for _, name, _, kind in objects:
+                    if kind == "virtual table":
                         virtual.append(name)
+                    if kind != "table":
                         continue
                     cols = [r[0] for r in conn.execute(
                         "SELECT name FROM pragma_table_xinfo(?) WHERE hidden IN (2, 3)", (name,))]

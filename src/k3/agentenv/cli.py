@@ -53,7 +53,11 @@ def register(subparsers) -> None:
     r.add_argument("--dialects", default=None, help="comma-separated subset of kimi,claude,codex,react")
     r.add_argument("--no-augment", action="store_true", help="canonical tool names only")
     r.add_argument("--max-steps", type=int, default=None)
-    r.add_argument("--out", default="runs/agentenv/rollouts.jsonl")
+    r.add_argument("--out", default="runs/agentenv/rollouts.jsonl",
+                   help="trajectories as JSON lines, one appended (and synced) per finished episode")
+    r.add_argument("--resume", action="store_true",
+                   help="continue the run that wrote --out (killed or stopped): its finished episodes are kept, "
+                        "only the others run; the other flags must be the same")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(func=_run)
 
@@ -131,7 +135,8 @@ def _run(args) -> int:
                          "--backend ray, or drop --ray-address")
     temperature = 0.0 if args.temperature is None else args.temperature
     check_temperature(temperature, "--temperature", hi=1e4 if args.policy == "k3" else None)  # k3's sampler's limit
-    output_jsonl("--out", args.out, "rollouts.jsonl")
+    if not args.resume:  # a resumed file is checked record by record (its last line may be cut short)
+        output_jsonl("--out", args.out, "rollouts.jsonl")
     tasks = load_tasks(args.tasks)
     spec = {"kind": args.policy}
     if args.policy == "http":
@@ -167,13 +172,16 @@ def _run(args) -> int:
     cfg = EpisodeConfig(dialects=dialects, augment=not args.no_augment, max_steps=args.max_steps)
     records = run_rollouts(tasks, spec, len(tasks) if args.episodes is None else args.episodes, workers=args.workers,
                            seed=args.seed, out=args.out, config=cfg, progress=True, backend=args.backend,
-                           ray_address=args.ray_address)
+                           ray_address=args.ray_address, resume=args.resume)
     summary = summarize(records)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
         print(format_summary(summary))
         print(f"trajectories: {args.out}")
+        n_ex = summary["all:all"]["excluded"]
+        print(f"excluded: {n_ex} of {len(records)} episodes ({summary['all:all']['exclusion_rate']:.1%}) measured "
+              "nothing (a failure the agent cannot cause); every other reward counts, errors as 0")
     for line in error_report(records):
         print(line, file=sys.stderr)
     if records and all(r.get("status") in ERROR_STATUSES for r in records):
@@ -182,11 +190,11 @@ def _run(args) -> int:
     return 0
 
 
-ERROR_STATUSES = ("policy_error", "sandbox_error", "worker_error")  # episodes that measured nothing
+ERROR_STATUSES = ("policy_error", "sandbox_error", "harness_error", "worker_error")  # episodes that ended in an error
 
 
 def error_report(records: list[dict], limit: int = 3) -> list[str]:
-    """Why episodes ended in policy_error / sandbox_error / worker_error: each distinct message once, with its count.
+    """Why episodes ended in an error status (ERROR_STATUSES): each distinct message once, with its count.
 
     The summary table counts them; without this the reason is only in the trajectories file.
     """
@@ -224,9 +232,10 @@ def _redteam(args) -> int:
         print(json.dumps(report, indent=1))
     else:
         for r in report["results"]:
-            print(f"{r['name']:34s} {r['task']:20s} reward={r['reward']} host_changed={r['host_changed']} "
-                  f"leaked={r['leaked']}  {str(r.get('details'))[:90]}")
+            print(f"{r['name']:34s} {r['task']:20s} reward={r['reward']} {r.get('scoring')} "
+                  f"host_changed={r['host_changed']} leaked={r['leaked']}  {str(r.get('details'))[:90]}")
         for h in report["honest"]["results"]:
             print(f"honest {h['task']:27s} reward={h['reward']}")
-        print(json.dumps({k: report[k] for k in ("attempts", "rewarded", "host_changed", "leaked", "ok")}))
+        print(json.dumps({k: report[k] for k in ("attempts", "rewarded", "excluded", "host_changed", "leaked",
+                                                  "ok")}))
     return 0 if report["ok"] else 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3.fileio import MAX_JSON_DEPTH, loads_json
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
@@ -37,7 +40,11 @@ MiB = 1 << 20
 
 
 class SandboxUnavailable(ValueError):
-    """bubblewrap is missing or cannot create namespaces here; the message says what to do."""
+    """bubblewrap is missing or cannot create namespaces here; the message says what to do.
+
+    `host_resources`: the host could not start a process (out of memory, processes or file descriptors)."""
+
+    host_resources: bool = False
 
 
 class SandboxError(RuntimeError):
@@ -46,6 +53,21 @@ class SandboxError(RuntimeError):
 
 class SandboxTimeout(SandboxError):
     """The sandbox did not answer in time: possibly the work it was given (code it ran) rather than the sandbox."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox failed before it held anything of the episode's (no workspace, no agent code): whatever went
+    wrong, the agent cannot have caused it, so the episode measured nothing (see rollout.EXCLUSIONS)."""
+
+    def __init__(self, message: str, host_resources: bool = False):
+        super().__init__(message)
+        self.host_resources = host_resources
+
+
+# errnos of a host that cannot start another process: its shortage, not the sandbox's or the agent's doing
+HOST_RESOURCE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.ENOSPC})
+# most nesting the host parses in a sandbox's reply (observations are at most 64 Python levels deep, 3 JSON each)
+REPLY_MAX_DEPTH = MAX_JSON_DEPTH
 
 
 @dataclass(frozen=True)
@@ -281,7 +303,9 @@ class _Proc:
                                       stderr=subprocess.PIPE, **_popen_kwargs(cfg))
         except OSError as e:
             self._cleanup_dir()
-            raise SandboxUnavailable(f"could not start the sandbox ({argv[0]}): {e}") from e
+            err = SandboxUnavailable(f"could not start the sandbox ({argv[0]}): {e}")
+            err.host_resources = e.errno in HOST_RESOURCE_ERRNOS
+            raise err from e
         self._buf = bytearray()
         self._err = bytearray()
         self._err_thread = threading.Thread(target=self._drain_err, daemon=True)
@@ -339,11 +363,11 @@ class _Proc:
                 raise SandboxError(f"sandbox answer exceeds {max_bytes} bytes")
         line, _, rest = bytes(self._buf).partition(b"\n")
         self._buf = bytearray(rest)
-        try:
-            reply = json.loads(line)
-        except ValueError as e:
+        try:  # bounded: a forged reply thousands of levels deep raised RecursionError here, in the host
+            reply = loads_json(line, REPLY_MAX_DEPTH)
+        except (ValueError, RecursionError) as e:
             self.kill()
-            raise SandboxError(f"sandbox answered something that is not JSON: {line[:200]!r}") from e
+            raise SandboxError(f"sandbox answered something that is not JSON ({str(e)[:200]}): {line[:200]!r}") from e
         if not isinstance(reply, dict):
             self.kill()
             raise SandboxError("sandbox answer is not a JSON object")
@@ -398,14 +422,18 @@ class Session:
         self.cfg = (cfg or default_config()).validate()
         check_sandbox(self.cfg)
         self.limits = self.cfg.limits
-        self._proc = _Proc(self.cfg, "_executor.py", _exec_cfg(self.limits))
-        self.closed = False
-        payload = [{"path": p, "data": base64.b64encode(d).decode(), "mode": m}
-                   for p, (d, m) in sorted(files.items())]
-        reply = self._call({"op": "init", "files": payload}, timeout=30)
-        if not reply.get("ok"):
+        self.closed = True
+        try:  # nothing of the agent's is inside yet: any failure here is a start failure
+            self._proc = _Proc(self.cfg, "_executor.py", _exec_cfg(self.limits))
+            self.closed = False
+            payload = [{"path": p, "data": base64.b64encode(d).decode(), "mode": m}
+                       for p, (d, m) in sorted(files.items())]
+            reply = self._call({"op": "init", "files": payload}, timeout=30)
+            if not reply.get("ok"):
+                raise SandboxError(f"could not copy the workspace into the sandbox: {reply.get('error')}")
+        except (SandboxError, SandboxUnavailable) as e:
             self.close()
-            raise SandboxError(f"could not copy the workspace into the sandbox: {reply.get('error')}")
+            raise SandboxStartError(str(e), getattr(e, "host_resources", False)) from e
 
     def _call(self, req: dict, timeout: float, max_bytes: int = 4 * MiB) -> dict:
         if self.closed:
@@ -463,17 +491,30 @@ class Probe:
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = (cfg or default_config()).validate()
         check_sandbox(self.cfg)
-        self._proc = _Proc(self.cfg, "_probe.py", _exec_cfg(self.cfg.limits), inputs=True)
+        try:
+            self._proc = _Proc(self.cfg, "_probe.py", _exec_cfg(self.cfg.limits), inputs=True)
+        except (SandboxError, SandboxUnavailable) as e:
+            raise SandboxStartError(f"the verification sandbox did not start: {e}",
+                                    getattr(e, "host_resources", False)) from e
         self.used = False
 
     def run(self, payload: dict, timeout: float | None = None) -> dict:
-        """Send the payload, return the probe's reply (untrusted observations); closes the sandbox."""
+        """Send the payload, return the probe's reply (untrusted observations); closes the sandbox.
+
+        SandboxStartError when the probe never said it was ready: it failed before the workspace reached it."""
         if self.used:
             raise SandboxError("a verification sandbox is used once")
         self.used = True
         timeout = timeout or self.cfg.limits.verify_timeout_s
         data = json.dumps(payload).encode() + b"\n"
         proc = self._proc
+        try:
+            ready = proc.recv(30.0, 4096)
+            if ready != {"ready": True}:
+                raise SandboxError(f"the verification sandbox said {str(ready)[:100]!r}, not that it is ready")
+        except SandboxError as e:
+            proc.kill()
+            raise SandboxStartError(f"the verification sandbox did not start: {e}") from e
 
         def feed():
             try:

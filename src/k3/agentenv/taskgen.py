@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3.fileio import loads_json
+
 from ._case_runner import encode
 from .tasks import FORMAT, _listing, build_sqlite, write_task
 
@@ -1165,7 +1167,7 @@ def _not_rebuilt(target: Path) -> str | None:
     if target.is_symlink() or not target.is_dir():
         return "is not a directory"
     try:
-        m = json.loads((target / "task.json").read_text())
+        m = loads_json((target / "task.json").read_text())  # a JSONDecodeError past absurd nesting
         ok = isinstance(m, dict) and m.get("format") == FORMAT and m.get("id") == target.name
         listed = ({"task.json"} | {f"workspace/{p}" for p in m["workspace"]["files"]} | set(m["hidden"])
                   if ok else set())

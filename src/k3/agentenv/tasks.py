@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3.fileio import atomic_write_bytes
+from k3.fileio import atomic_write_bytes, loads_json
 
 FORMAT = "k3-agentenv-task/1"
 FAMILIES = ("pyfix", "sqlite", "files")
@@ -42,6 +42,7 @@ CHECK_KINDS = {
     "tree": ("host", ("path", "expect")),
     "executable": ("host", ("path",)),
 }
+SQL_KINDS = ("table", "virtual table", "view", "index", "trigger")  # the schema objects sql_schema tells apart
 LABELS = ("F2P", "P2P")  # fails before the fix and must pass after / passes before and must still pass
 ACTION_TOOLS = ("read", "write", "edit", "run", "search", "finish")
 
@@ -161,6 +162,10 @@ def _validate_check(task_id: str, c: dict) -> None:
         raise ValueError(f"{where}: python expect needs exactly one of 'value' or 'raises'")
     if kind == "sql" and not (isinstance(exp, dict) and isinstance(exp.get("rows"), list)):
         raise ValueError(f"{where}: sql expect needs 'rows' (a list)")
+    if kind == "sql_schema":
+        forbid = exp.get("forbid", []) if isinstance(exp, dict) else None
+        if not (isinstance(forbid, list) and all(isinstance(k, str) and k.lower() in SQL_KINDS for k in forbid)):
+            raise ValueError(f"{where}: sql_schema expect 'forbid' must list kinds of schema object, of {SQL_KINDS}")
     if kind == "command":
         if not (isinstance(c["argv"], list) and c["argv"] and all(isinstance(a, str) for a in c["argv"])):
             raise ValueError(f"{where}: argv must be a non-empty list of strings")
@@ -181,8 +186,8 @@ def _validate_action(task_id: str, a) -> None:
 def _json_object(path: Path, what: str) -> dict:
     """The JSON object in `path`; a file that cannot be read, is not JSON or holds another value is named."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        obj = loads_json(path.read_text(encoding="utf-8"))  # refuses absurd nesting (a RecursionError before)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: {what} is not readable JSON ({e}); fix it or regenerate the task") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")

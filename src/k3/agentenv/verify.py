@@ -24,8 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .sandbox import Probe, SandboxConfig, SandboxError, SandboxTimeout, default_config, run_probe
-from .tasks import CHECK_KINDS, Task, check_relpath
+from k3.fileio import loads_json
+
+from .sandbox import (Probe, SandboxConfig, SandboxError, SandboxStartError, SandboxTimeout, default_config,
+                      run_probe)
+from .tasks import CHECK_KINDS, SQL_KINDS, Task, check_relpath
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
@@ -39,16 +42,26 @@ class Entry:
     target: str = ""
 
 
+COUNTED, EXCLUDED = "counted", "excluded"
+# the failures the agent cannot cause; every other outcome, errors included, is a reward that counts
+EXCLUSIONS = ("sandbox_start", "host_resources", "verifier_bug")
+
+
 @dataclass
 class VerifyResult:
     reward: float
     passed: bool
     checks: list[dict] = field(default_factory=list)   # {id, kind, label, ok, reason}
     error: str | None = None
-    # "timeout" (the probe ran out of time: the workspace's own code may be why) or "sandbox" (it could not start,
-    # died or answered nonsense: a broken environment, whatever the answer was)
+    # "start" (the sandbox failed before the workspace reached it), "timeout" (out of time), "sandbox" (it died or
+    # answered nonsense) or "verifier" (the host's judging raised)
     error_kind: str | None = None
     duration_s: float = 0.0
+    # COUNTED: the reward stands, 0 after any error the workspace may have caused (a kill, a hang, a forged or
+    # oversized report); EXCLUDED: it says nothing about the answer, for the reason in `exclusion` (EXCLUSIONS)
+    scoring: str = COUNTED
+    exclusion: str | None = None
+    control: str | None = None  # after an error: what the same checks gave on the task's clean workspace
 
     def summary(self) -> str:
         bad = [c for c in self.checks if not c["ok"]]
@@ -58,6 +71,7 @@ class VerifyResult:
 
     def to_json(self) -> dict:
         return {"reward": self.reward, "passed": self.passed, "error": self.error, "error_kind": self.error_kind,
+                "scoring": self.scoring, "exclusion": self.exclusion, "control": self.control,
                 "duration_s": round(self.duration_s, 4), "checks": self.checks}
 
 
@@ -185,13 +199,53 @@ def judge_host(c: dict, snap: dict[str, Entry]) -> tuple[bool, str]:
         ok = digest == c["expect"]["sha256"]
         return ok, "ok" if ok else f"{path} content differs (sha256 {digest[:12]}…, {len(e.data)} bytes)"
     if kind == "json_file":
-        try:
-            got = json.loads(e.data.decode("utf-8"))
+        try:  # bounded: a file 100,000 levels deep was a RecursionError in this process
+            got = loads_json(e.data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as err:
             return False, f"{path} is not valid JSON ({err})"
         ok = same(got, c["expect"]["value"])
         return ok, "ok" if ok else f"{path} holds {_short(got)}"
     raise AssertionError(kind)
+
+
+def _fold(name) -> str:
+    """SQLite compares identifiers ASCII-case-insensitively ('Orders' is orders); a name the agent wrote into the
+    schema by hand may not even be a string."""
+    return name.lower() if isinstance(name, str) else repr(name)
+
+
+def _judge_schema(objects: list, virtual: list, generated: dict, exp: dict) -> tuple[bool, str]:
+    """The schema as SQLite loads it: every object's kind comes from its SQL (the runner's sql_kind), which is what
+    SQLite executes; the `type` column is a label that `writable_schema` can set to anything, so a label that
+    names another kind than the SQL ('table' on a CREATE TRIGGER) is tampering. Kinds and names compare
+    case-insensitively ('Trigger' is a trigger)."""
+    kinds: list[tuple[str, str]] = []  # (kind, folded name)
+    for o in objects:
+        if not (isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and o[3] in SQL_KINDS + (None,)):
+            return False, f"schema not reported (object {_short(o)})"
+        label, kind = o[0].lower(), o[3]
+        if kind is None:  # no CREATE statement (an automatic index): the label is all there is
+            kind = label
+        elif label != kind.split()[-1]:  # 'virtual table' is labelled 'table'
+            return False, f"schema object {_short(o[1])} is labelled {o[0]!r} but its SQL creates a {kind} " \
+                          "(a hand-edited schema)"
+        kinds.append((kind, _fold(o[1])))
+    virtual = {_fold(n) for n in virtual}
+    generated = {_fold(n): cols for n, cols in generated.items()}
+    for t in exp.get("tables", []):
+        found = sorted(k for k, n in kinds if n == _fold(t) and k != "index" and k != "trigger")
+        if found != ["table"]:
+            return False, f"{t} is {'missing' if not found else 'a ' + ' and a '.join(found)}, not a table"
+        if _fold(t) in virtual:
+            return False, f"{t} is a virtual table, not a table that stores its rows"
+        if generated.get(_fold(t)):
+            return False, (f"{t} has generated column(s) {generated[_fold(t)]}: values computed from an expression, "
+                           "not stored data")
+    forbid = {str(k).lower() for k in exp.get("forbid", [])}
+    bad = sorted(f"{k} {n}" for k, n in kinds if k in forbid)
+    if bad:
+        return False, f"forbidden schema objects present: {bad}"
+    return True, "ok"
 
 
 def judge_observation(c: dict, obs) -> tuple[bool, str]:
@@ -224,24 +278,11 @@ def judge_observation(c: dict, obs) -> tuple[bool, str]:
             return False, "schema not reported"
         if obs.get("integrity") != ["ok"]:
             return False, f"integrity_check failed: {_short(obs.get('integrity'))}"
-        types = {(o[1] if isinstance(o, list) and len(o) == 3 else None): o[0] for o in objects
-                 if isinstance(o, list) and len(o) == 3}
         virtual = obs.get("virtual_tables")
         generated = obs.get("generated_columns")
         if not isinstance(virtual, list) or not isinstance(generated, dict):
             return False, "schema not reported (virtual tables, generated columns)"
-        for t in exp.get("tables", []):
-            if types.get(t) != "table":
-                return False, f"{t} is {'missing' if t not in types else 'a ' + str(types[t])}, not a table"
-            if t in virtual:
-                return False, f"{t} is a virtual table, not a table that stores its rows"
-            if generated.get(t):
-                return False, (f"{t} has generated column(s) {generated[t]}: values computed from an expression, "
-                               "not stored data")
-        bad = sorted(n for n, t in types.items() if t in exp.get("forbid", []))
-        if bad:
-            return False, f"forbidden schema objects present: {bad}"
-        return True, "ok"
+        return _judge_schema(objects, virtual, generated, exp)
     if kind == "command":
         if obs.get("timed_out"):
             return False, "command timed out"
@@ -275,31 +316,72 @@ def needs_sandbox(task: Task) -> bool:
     return any(CHECK_KINDS[c["kind"]][0] == "sandbox" for c in task.checks)
 
 
+def control_snapshot(task: Task) -> dict[str, Entry]:
+    """The task's clean starting workspace, which no agent touched (empty for a task built in memory)."""
+    try:
+        return snapshot_from_files(task.workspace_files())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig | None = None,
-           probe: Probe | None = None) -> VerifyResult:
+           probe: Probe | None = None, control: bool = True) -> VerifyResult:
     """Run every hidden check of `task` against a final workspace snapshot.
 
     `probe`: a verification sandbox started earlier (see rollout.run_episode); else a new one.
+
+    Fails closed. An error scores 0 and counts: once the workspace is in the sandbox, its code can kill the probe,
+    hang it, flood it or forge its reports, and a policy must not learn that breaking verification beats failing
+    it. Excluded are only failures the agent cannot cause: a sandbox that fails before the workspace reaches it
+    (tried twice; `host_resources` when the host could not start a process), and, with `control`, an error that
+    the same checks on the task's clean starting workspace give as well (a bug of ours, `verifier_bug`).
     """
     t0 = time.monotonic()
     cfg = cfg or default_config()
+    try:
+        res = _verify(task, snap, cfg, probe)
+    except Exception as e:  # the host's judging raised on this workspace: an episode, never the run, ends here
+        log.warning("verifying %s raised %s: %s", task.id, type(e).__name__, e)
+        res = VerifyResult(reward=0.0, passed=False, error=f"the verifier raised {type(e).__name__}: {e}",
+                           error_kind="verifier",
+                           checks=[{"id": c["id"], "kind": c["kind"], "label": c.get("label"), "ok": False,
+                                    "reason": "not judged (the verifier raised)"} for c in task.checks])
+    if res.error is not None and res.exclusion is None and control:
+        ctl = verify(task, control_snapshot(task), cfg, control=False)
+        if ctl.error is not None:
+            res.scoring, res.exclusion, res.control = EXCLUDED, "verifier_bug", f"failed too: {ctl.error}"
+        else:
+            res.control = "clean (the error is this workspace's)"
+    res.duration_s = time.monotonic() - t0
+    return res
+
+
+def _verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig, probe: Probe | None) -> VerifyResult:
     results: dict[str, tuple[bool, str]] = {}
     sandboxed = [c for c in task.checks if CHECK_KINDS[c["kind"]][0] == "sandbox"]
     for c in task.checks:
         if CHECK_KINDS[c["kind"]][0] == "host":
             results[c["id"]] = judge_host(c, snap)
-    error = error_kind = None
+    error = error_kind = exclusion = None
     if sandboxed:
         payload = {"entries": export_entries(snap), "runners": _runners(),
                    "checks": [_public(c) for c in sandboxed]}
-        try:
-            reply = run_probe(payload, cfg, probe=probe)
-            obs = reply.get("observations") if reply.get("ok") else None
-            if not isinstance(obs, dict):
-                raise SandboxError(f"verification probe failed: {reply.get('error', reply)}")
-        except SandboxError as e:
-            error, obs = str(e), {}
-            error_kind = "timeout" if isinstance(e, SandboxTimeout) else "sandbox"
+        obs = {}
+        for attempt in (0, 1):  # a probe that fails before it holds the workspace gets one fresh successor
+            try:
+                reply = run_probe(payload, cfg, probe=probe if attempt == 0 else None)
+                obs = reply.get("observations") if reply.get("ok") else None
+                if not isinstance(obs, dict):
+                    raise SandboxError(f"verification probe failed: {str(reply.get('error', reply))[:300]}")
+                error = error_kind = exclusion = None
+                break
+            except SandboxStartError as e:
+                error, obs, error_kind = str(e), {}, "start"
+                exclusion = "host_resources" if e.host_resources else "sandbox_start"
+            except SandboxError as e:
+                error, obs = str(e), {}
+                error_kind = "timeout" if isinstance(e, SandboxTimeout) else "sandbox"
+                break
         for c in sandboxed:
             results[c["id"]] = judge_observation(c, obs.get(c["id"]))
     elif probe is not None:
@@ -309,4 +391,4 @@ def verify(task: Task, snap: dict[str, Entry], cfg: SandboxConfig | None = None,
     # all of them ran and all passed; a probe error is never a pass
     passed = error is None and len(checks) == len(task.checks) > 0 and all(c["ok"] for c in checks)
     return VerifyResult(reward=1.0 if passed else 0.0, passed=passed, checks=checks, error=error,
-                        error_kind=error_kind, duration_s=time.monotonic() - t0)
+                        error_kind=error_kind, scoring=EXCLUDED if exclusion else COUNTED, exclusion=exclusion)

@@ -194,9 +194,13 @@ class PyFunc(Domain):
         task = Task(id="distill-pyfunc", family="pyfix", title="pyfunc answers", instruction="", root=Path("."),
                     manifest={}, checks=tuple(checks), solution=())
         res = verify(task, snapshot_from_files(files), self.sandbox_config)
-        if res.error:
+        if res.error and res.scoring == "excluded":  # the sandbox itself is broken: nothing was measured
             raise ValueError(f"pyfunc checker: the verification sandbox failed ({res.error}); run "
                              "`k3 agentenv check`")
+        if res.error and len(problems) > 1:  # an answer broke the shared sandbox (killed or hung it): each alone
+            return [s for p, a in zip(problems, answers) for s in self._run([p], [a])]
+        if res.error:  # this answer broke its own verification: a 0 that counts, as AgentENV labels it
+            return [0.0]
         by_id = {c["id"]: c for c in res.checks}
         return [float(all(by_id[f"c{i}_{j}"]["ok"] for j in range(len(p.data["cases"]))))
                 for i, p in enumerate(problems)]

@@ -12,13 +12,16 @@ sampled tokens (tool outputs, instructions and system prompts are context, never
 verified reward, and, when the sample cannot be used, why. `classify` is the one place that decides:
 
 - `context`: the conversation outgrew the model's context (the policy refused to generate);
-- `crashed`: the episode raised, the sandbox broke, the verifier's sandbox broke (not a verification that
-  ran out of time: that stays a reward of 0), or the engine failed;
+- `crashed`: the episode raised, the engine failed, or AgentENV labelled the record `excluded`: a failure
+  the agent cannot cause (a sandbox that did not start, a host out of resources, a verifier bug that a
+  clean-workspace control reproduced);
 - `reward`: the reward is not a finite number (a bool, a string, NaN, None ...).
 
 Such trajectories are recorded and counted but excluded from the loss; none is ever turned into a
 reward of 0. A policy that merely answers badly (no tool call, an empty reply, out of steps) is a
-valid sample with the reward its verified outcome earned.
+valid sample with the reward its verified outcome earned, and so is one whose code broke the sandbox or the
+verifier (killed it, hung it, overflowed it, forged its report: AgentENV labels those `counted`, reward 0),
+or the policy would learn that crashing verification beats failing it.
 """
 from __future__ import annotations
 
@@ -160,13 +163,14 @@ def classify(record: dict | None, policy: K3EnginePolicy, error: str | None = No
         return "context", (record or {}).get("error") or error or policy.failure
     if record is None:
         return "crashed", error or "the episode raised"
-    if record.get("status") in ("sandbox_error", "worker_error") or policy.failure is not None:
-        return "crashed", record.get("error") or policy.failure or f"episode status {record.get('status')}"
-    verifier = record.get("verifier") or {}
-    if verifier.get("error") and verifier.get("error_kind") != "timeout":
-        # the verification sandbox could not start, died or answered nonsense: its reward 0 says nothing about the
-        # answer. A verification that ran out of time keeps its 0: the workspace's own code may be why.
-        return "crashed", f"verifier: {verifier['error']}"
+    if policy.failure is not None:
+        return "crashed", record.get("error") or policy.failure
+    if record.get("scoring") == "excluded":  # AgentENV's label: a failure the agent cannot have caused
+        verifier = record.get("verifier") or {}
+        why = f"verifier: {verifier['error']}" if verifier.get("error") else record.get("error")
+        return "crashed", f"{record.get('exclusion')}: {why or 'episode status ' + str(record.get('status'))}"
+    if record.get("scoring") is None and record.get("status") == "worker_error":  # a record without the label
+        return "crashed", record.get("error") or "episode status worker_error"
     if not valid_reward(record.get("reward")):
         return "reward", f"reward {record.get('reward')!r} is not a finite number"
     return None, record.get("error")
@@ -264,5 +268,6 @@ def success_table(trajs: Sequence[Trajectory]) -> dict:
         ok = [t for t in ts if t.excluded is None]
         table[key] = {"episodes": len(ts), "usable": len(ok),
                       "success": (sum(t.reward for t in ok) / len(ok)) if ok else None,
-                      "excluded": {r: sum(t.excluded == r for t in ts) for r in EXCLUDE_REASONS}}
+                      "excluded": {r: sum(t.excluded == r for t in ts) for r in EXCLUDE_REASONS},
+                      "exclusion_rate": (len(ts) - len(ok)) / len(ts) if ts else 0.0}
     return table
