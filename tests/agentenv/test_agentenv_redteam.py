@@ -23,7 +23,15 @@ REQUIRED = {  # the brief's list -> attack names that cover it
     "database side path": {"sqlite_view_replaces_table", "sqlite_symlink_side_path"},
     "kill/race verifier": {"kill_the_verifier", "daemon_races_verifier"},
     "shadow stdlib": {"shadow_stdlib_modules"}, "always-equal": {"always_equal_objects"},
+    # failing closed: each way to break verification that once earned "left out" instead of a 0, or crashed the host
+    "kill the verifier's process": {"kill_verifier_parent", "kill_all_from_verification", "kill_the_executor"},
+    "FIFO to the file tools": {"fifo_to_file_tools"}, "oversize workspace": {"oversize_workspace"},
+    "deep JSON on the host": {"deep_json_config", "deep_forged_report"},
+    "re-cased schema type": {"sqlite_recased_trigger"}, "state between checks": {"usercustomize_across_checks"},
 }
+# attacks the fail-closed review designed itself (held out from the issue that asked for them)
+OWN_DESIGN = {"stop_the_verifier", "deep_directory_chain", "many_tiny_files", "sqlite_virtual_table_disguised",
+              "json_number_bombs", "daemon_across_checks", "hostile_file_names", "unreadable_and_looping_entries"}
 
 
 def test_leak_markers_are_in_the_hidden_checks_only():
@@ -48,16 +56,17 @@ def test_catalog_covers_the_brief():
     assert len(ATTACKS) >= 25 and len(names) == len(ATTACKS)
     for what, need in REQUIRED.items():
         assert need <= names, what
+    assert OWN_DESIGN <= names and not OWN_DESIGN & set().union(*REQUIRED.values())
     assert {load_task(tasks_root() / a.task).family for a in ATTACKS} == {"pyfix", "sqlite", "files"}
 
 
 def test_quick_redteam(sandbox):
     report = run_redteam(quick=True)
-    bad = [r for r in report["results"] if r["reward"] or r["host_changed"] or r["leaked"]]
+    bad = [r for r in report["results"] if r["reward"] or r["host_changed"] or r["leaked"] or r["scoring"] != "counted"]
     assert not bad, bad
     assert report["attempts"] == sum(a.quick for a in ATTACKS) >= 15
     assert report["honest"]["rewarded"] == report["honest"]["attempts"] == 3, report["honest"]
-    assert report["ok"] and not report["host_changed"] and report["rewarded"] == 0
+    assert report["ok"] and not report["host_changed"] and report["rewarded"] == 0 and report["excluded"] == []
 
 
 def _naive_grade(attack_name, sandbox):
@@ -110,5 +119,6 @@ def test_fingerprint_detects_changes(sandbox):
 
 def test_full_redteam(sandbox):
     report = run_redteam()
-    assert report["ok"], [r for r in report["results"] if r["reward"] or r["host_changed"] or r["leaked"]]
+    assert report["ok"], [r for r in report["results"]
+                          if r["reward"] or r["host_changed"] or r["leaked"] or r["scoring"] != "counted"]
     assert report["attempts"] >= 25
