@@ -34,7 +34,7 @@ from k3.benchtools import machine, write_result  # noqa: E402
 from k3.config import K3ConfigError  # noqa: E402
 from k3.data import DEFAULT_VOCAB_SIZE, prepare_data  # noqa: E402
 from k3.model.moe import MoE  # noqa: E402
-from k3.train.trainer import evaluate  # noqa: E402
+from k3.train.batches import evaluate  # noqa: E402
 
 PARTS = ("routed", "shared")
 

@@ -73,7 +73,8 @@ from k3.model.moe import RoutedExperts
 from k3.model.qat import QATLinear
 from k3.ops.mx.fake import fake_quant
 from k3.quant.gptq import GPTQLinear, gptq_linears_, gptq_roundable
-from k3.train.trainer import TrainConfig, Trainer, evaluate
+from k3.train.trainer import TrainConfig, Trainer
+from k3.train.batches import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> (config.qat, format of the output head's weight, of its input); the head is outside config.qat's reach

@@ -200,7 +200,7 @@ def engine_only(ckpt: Path, prompts: list[list[int]], max_batch: int, max_tokens
     """The same work through an in-process Engine (no HTTP): what the server adds on top of the model."""
     from k3.serve.engine import Engine
     from k3.model.sampling import SamplingParams
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     model, _ = load_trained_model(ckpt)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

@@ -64,7 +64,7 @@ def test_teachers_mopd_eval_generate(tmp_path, domain_tokenizer, capsys):
                  "<|effort:extreme|> sum 1+2"]) == 2
     assert "unknown effort 'extreme'" in capsys.readouterr().err
     from k3.train.checkpoint import save_checkpoint
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     model, _ = load_trained_model(m / "checkpoint")
     save_checkpoint(tmp_path / "other" / "checkpoint", 1, model, config=model.config,

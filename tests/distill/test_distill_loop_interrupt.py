@@ -165,11 +165,11 @@ def test_the_commands_stop_gracefully_and_the_rl_demo_does_not(tmp_path, domain_
 
     real_step = loop_mod.StepLoop.train_step
 
-    def train_step(self, step_fn):
+    def train_step(self):
         if self.step == 1 and not getattr(self, "_signalled", False):
             self._signalled = True
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(self, step_fn)
+        return real_step(self)
 
     monkeypatch.setattr(loop_mod.StepLoop, "train_step", train_step)
     t = tmp_path / "teachers"

@@ -122,7 +122,7 @@ def test_two_rank_fsdp_ep_training_matches_single_process_then_resumes(reference
 
     # the same checkpoint (4 ranks, replicated experts) read whole into one process, as k3 eval / sample / export
     # read it, holds the single-process run's weights
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     torch.set_default_dtype(torch.float64)
     try:

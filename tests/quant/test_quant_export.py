@@ -12,7 +12,7 @@ from k3.model.transformer import K3Model
 from k3.quant.export import EXPORT_KEY, EXPORT_VERSION, PackedRoutedExperts, load_packed, pack_model
 from k3.quant.sizes import checkpoint_bytes
 from k3.train import checkpoint as ckpt
-from k3.train.trainer import load_trained_model
+from k3.io.trained import load_trained_model
 
 K3_QAT = {"expert_weights": "mxfp4", "activations": "mxfp8"}
 
@@ -230,7 +230,7 @@ def test_export_keeps_the_tokenizer_fingerprint_of_rl_and_distill_checkpoints(tm
     tokenizer, and took another one of the same size without a word."""
     from k3.data.corpus import open_corpus
     from k3.data.tokenizer import train_tokenizer
-    from k3.train.trainer import checkpoint_tokenizer
+    from k3.io.trained import checkpoint_tokenizer
 
     texts = [t for _, t in open_corpus().documents("train", max_bytes=150_000)]
     tok = train_tokenizer(texts, 512, path=tmp_path / "root")

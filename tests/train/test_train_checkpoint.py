@@ -186,7 +186,7 @@ def test_checkpoint_saved_before_kda_norm_eps_loads_with_the_eps_it_was_trained_
     """A manifest whose config predates `kda_norm_eps` loads (the field reads as norm_eps, what KDA used then);
     resuming it under the new default is refused, naming the field."""
     from k3.model.transformer import K3Model
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     old = get_config("tiny", kda_norm_eps=get_config("tiny").norm_eps)
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def test_a_checkpoint_that_records_only_its_tokenizer_hash_finds_the_tokenizer_a
     from k3.data import load_tokenizer
     from k3.model.transformer import K3Model
     from k3.train.checkpoint import save_checkpoint
-    from k3.train.trainer import checkpoint_tokenizer, load_trained_model
+    from k3.io.trained import checkpoint_tokenizer, load_trained_model
 
     shutil.copy(tiny_data_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     tok = load_tokenizer(tmp_path / "tokenizer.json")

@@ -290,11 +290,24 @@ def test_distributed_guards_that_need_no_collective(tmp_path, fake_data):
     from k3.parallel.train import ParallelTrainer
     from k3.train.trainer import TrainConfig, Trainer
 
-    for loss, norm in ((1.0, float("inf")), (float("nan"), 1.0)):
+    from k3.train.loop import Loop
+
+    # the one loop refuses a non-finite loss or gradient norm before the update, in every context
+    for loss, grad in ((1.0, float("inf")), (float("nan"), 1.0)):
+        model = torch.nn.Linear(2, 1)
+
+        def step(i, loss=loss, grad=grad, model=model):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, grad if i == 2 else math.pi)
+            return {"loss": loss if i == 2 else 1.0, "backward_done": True}
+
+        loop = Loop(model, TrainConfig(steps=4, warmup_steps=0), step)
+        loop.train_step(), loop.train_step()
+        before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(ValueError, match="at step 3 \\(not applied, not saved\\)"):
-            ParallelTrainer._check_finite(SimpleNamespace(step=2), loss, torch.tensor(norm))
-    ParallelTrainer._check_finite(SimpleNamespace(step=2), 1.0, torch.tensor(math.pi))
-    ctx = SimpleNamespace(dims=SimpleNamespace(pp=1, dp=1))
+            loop.train_step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    ctx = SimpleNamespace(dims=SimpleNamespace(pp=1, dp=1, world=1), rank=0, device=torch.device("cpu"))
     tc = TrainConfig(steps=2, batch_size=2, seq_len=16, max_minutes=1.0)
     with pytest.raises(ValueError, match="--max-minutes is not wired"):
         ParallelTrainer(get_config("tiny"), tc, fake_data(), ctx)
@@ -310,7 +323,7 @@ def test_distributed_guards_that_need_no_collective(tmp_path, fake_data):
 def test_eval_batch_count_is_what_eval_batches_yields(tiny_data_dir):
     """`k3 eval`'s progress bar total: the count of eval_batches' batches, capped or not."""
     from k3.data import load_data
-    from k3.train.trainer import eval_batch_count, eval_batches
+    from k3.train.batches import eval_batch_count, eval_batches
 
     val = load_data(tiny_data_dir).val
     for bs, t, cap in [(8, 64, None), (8, 64, 3), (3, 100, 7), (5, 32, 10_000), (1, 512, 2)]:
@@ -344,7 +357,7 @@ def test_a_step_failed_by_ctrl_c_is_an_interruption(tmp_path, fake_data, monkeyp
     cfg, data = get_config("tiny"), fake_data()
     t = Trainer(cfg, TrainConfig(**dict(TINY, steps=4, ckpt_every=1)), data, None, tmp_path)
     _signal_in(monkeypatch, t, "train_step", 2, signal.SIGINT, then=RuntimeError("a compile worker died"))
-    with pytest.raises(KeyboardInterrupt, match="during step 3"):
+    with pytest.raises(KeyboardInterrupt, match="stopped in step 3; the last checkpoint is .*step_000002"):
         t.fit(graceful_interrupt=True)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     assert ckpt.latest_checkpoint(tmp_path / "checkpoint").name == "step_000002"  # the last whole step stays

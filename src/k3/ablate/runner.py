@@ -203,7 +203,7 @@ def cached_result(out: Path, spec: RunSpec, need_weights: bool = False) -> dict 
 def evaluate_with_load(model, dataset, batches: int, batch_size: int, seq_len: int, seed: int = 0) -> tuple[float, float | None]:
     """The trainer's `evaluate` (mean CE, nats / token) plus the routers' max / mean expert load over the
     same batches, averaged over MoE layers (None for a model without MoE)."""
-    from k3.train.trainer import evaluate
+    from k3.train.batches import evaluate
 
     moes = model.moe_layers() if hasattr(model, "moe_layers") else []
     counts: list[torch.Tensor | None] = [None] * len(moes)

@@ -104,7 +104,7 @@ def _load_model(path, tokenizer, what: str, missing: str | None = None, tokenize
     that named the tokenizer, for a model used on its own (no teacher to share it with)."""
     from k3.distill.mopd import check_same_tokenizer
     from k3.io import load_with_manifest
-    from k3.train.trainer import trained_tokenizer_hash
+    from k3.io.trained import trained_tokenizer_hash
 
     path = Path(path)
     if (path / "checkpoint").is_dir():

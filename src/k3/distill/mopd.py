@@ -209,7 +209,7 @@ def read_teachers_file(teachers_dir: str | os.PathLike) -> dict:
 
 def check_same_tokenizer(what: str, path, manifest: dict, tokenizer_sha256: str, vocab_size: int) -> None:
     """A distillation pair must share one tokenizer: the loss compares distributions id by id."""
-    from k3.train.trainer import trained_tokenizer_hash
+    from k3.io.trained import trained_tokenizer_hash
 
     got = trained_tokenizer_hash(manifest)
     if got is None:
@@ -246,7 +246,7 @@ def load_teacher_matrix(teachers_dir: str | os.PathLike, tokenizer_sha256: str, 
     """The teachers listed in TEACHERS_DIR/teachers.json, each checked against the student's tokenizer.
     `single_effort`: the single-teacher-per-domain baseline, every cell of a domain taught by that effort's
     teacher."""
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     info = read_teachers_file(teachers_dir)
     listed = info.get("teachers", {})

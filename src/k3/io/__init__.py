@@ -55,7 +55,7 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
         manifest = read_manifest(found, verify=False)
         with torch.device("meta"):
             return K3Model(K3Config.from_dict(manifest["config"])).eval(), manifest
-    from k3.train.trainer import load_trained_model
+    from k3.io.trained import load_trained_model
 
     model, manifest = load_trained_model(p, device=device)
     if dtype is not None:

@@ -19,7 +19,6 @@ Format k3-dcp/1 (optimizer state nested by parameter group) still loads.
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import warnings
@@ -32,10 +31,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from k3.fileio import atomic_write_json, atomic_write_text, fsync_dir
+from k3.fileio import atomic_write_json, atomic_write_text, fsync_dir, read_json
 from k3.parallel import comm
 from k3.parallel.expert import ExpertParallel
 from k3.train.checkpoint import DCP_META
+from k3.train.checkpoint import latest_distributed as latest
 
 log = logging.getLogger(__name__)
 
@@ -144,34 +144,12 @@ def save(root, step: int, model, optimizer, ctx, meta: dict, keep_last: int = 3)
     return final
 
 
-def latest(root) -> Path | None:
-    """The step directory `latest` names; if that is not complete (a crash while a step was rewritten), the
-    newest complete one; `root` itself when it is a step directory; None when there is no checkpoint."""
-    root = Path(root)
-    f = root / LATEST
-    named = None
-    if f.is_file():
-        named = root / f.read_text().strip()
-        if (named / META).is_file():
-            return named
-    if (root / META).is_file():
-        return root
-    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / META).is_file()),
-                   key=lambda p: int(p.name[5:]))
-    if not steps:
-        return None  # not a distributed checkpoint (a single-process root has the same `latest` file)
-    if named is not None:
-        log.warning("%s names %s, which is not a complete distributed checkpoint; using the newest complete one, "
-                    "%s", f, named.name, steps[-1].name)
-    return steps[-1]
-
-
 def read_meta(path) -> dict:
     found = latest(path)
     if found is None:
         raise ValueError(f"no distributed checkpoint in {path} (expected {LATEST} or {META}); train with --out "
                          "and --ckpt-every to write one")
-    meta = json.loads((found / META).read_text())
+    meta = read_json(found / META, "checkpoint meta file")  # a one-line ValueError when damaged or absurdly deep
     if meta.get("format") not in FORMATS:
         raise ValueError(f"{found / META}: format {meta.get('format')!r} is not one of {list(FORMATS)}")
     return {**meta, "path": str(found)}
@@ -228,7 +206,7 @@ def load_model_weights(path, model) -> dict:
 def as_manifest(meta: dict) -> dict:
     """A distributed checkpoint's metadata in the shape of a single-process manifest (what `k3 eval`, `k3 sample`
     and the exporters read: path, step, config, data, extra.tokens)."""
-    from k3.train.trainer import RESUME_FIELDS
+    from k3.train.config import RESUME_FIELDS
 
     train = meta.get("train") or {}
     data = {**{k: train[k] for k in RESUME_FIELDS if k in train}, **(meta.get("data") or {})}  # seq_len for k3 eval

@@ -1,34 +1,23 @@
-"""Distributed training with FSDP2 + MoonEP (+ pipeline stages): the trainer's step, batch split over ranks.
+"""Distributed training with FSDP2 + MoonEP (+ pipeline stages): the one loop in a distributed context.
 
-Every rank builds the same model from the seed (as the single-process Trainer does), then
-`parallelize` applies expert parallelism and FSDP2 from outside. A step is the single-process step with
-three changes, so that the loss trajectory equals the single-process one:
-  - data: rank r of dp takes rows [r*B/dp, (r+1)*B/dp) of the global micro-batch `get_batch(step*accum +
-    micro, B, T, seed)`, so the ranks together see exactly the single-process batch;
-  - gradients: the loss is each rank's mean, FSDP averages the non-expert gradients over dp, and
-    `sync_expert_grads` sums replica / shard-copy gradients of the experts and scales them by 1/dp;
+Every rank builds the same model from the seed (as one process does); the context then applies expert
+parallelism and FSDP2 from outside (with pp > 1 after keeping this rank's stage). A step is the single-process
+step with three changes, so that the loss trajectory equals the single-process one:
+  - data: rank r of dp takes rows [r*B/dp, (r+1)*B/dp) of each global micro-batch;
+  - gradients: FSDP averages the non-expert gradients over dp, `sync_expert_grads` sums the experts' replica
+    and shard-copy gradients and scales them by 1/dp; with pp > 1 the AttnRes parameters every stage holds get
+    their gradients summed over the pipeline and a step runs GPipe over the `accum` micro-batches;
   - clipping: the global grad norm counts every element once (shards summed, replicas divided out).
-The router's balancing all-reduce (in k3.model.moe) sums expert loads over the world, which is the dp
-group when pp = 1. Only AdamW: Muon orthogonalises whole matrices, and FSDP shards them.
-
-With pp > 1 (world = pp x dp) every rank builds the whole model from the seed, keeps its stage
-(`prune_to_stage`) and then applies EP and FSDP2 inside the stage. A step runs GPipe over the `accum`
-micro-batches (`run_gpipe`); the AttnRes parameters, held by every stage, get their gradients summed over
-the pipeline; the clipping norm and the logged loss are summed over the world (the loss comes from the last
-stage); each stage's optimizer steps its own parameters; the routers' balancing statistics are summed over
-the stage's dp group (the world holds other stages' layers).
+Only AdamW: Muon orthogonalises whole matrices, and FSDP shards them.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-import shutil
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.parallel import checkpoint as pckpt
@@ -39,12 +28,13 @@ from k3.parallel.mesh import ParallelContext
 from k3.parallel.pipeline import PipelineStage, check_tied_stages, prune_to_stage, run_gpipe, stage_shared_params
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
+from k3.train.config import DATA_FIELDS, TrainConfig, check_schedule_fields
 from k3.train.optim import build_optimizer
-from k3.train.trainer import DATA_FIELDS, TrainConfig, TrainResult, check_schedule_fields, split_batch
+from k3.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "ParallelTrainer", "global_grad_norm", "placements_from_loads"]
+__all__ = ["parallelize", "DistributedContext", "ParallelTrainer", "global_grad_norm", "placements_from_loads"]
 
 
 def parallelize(model, ctx: ParallelContext, placements: dict[int, Placement] | None = None, fsdp: bool = True):
@@ -160,7 +150,7 @@ def check_parallel_settings(config: K3Config, tc: TrainConfig, dims, train_data=
         raise ValueError("--max-minutes is not wired into distributed runs yet (every rank would have to agree on "
                          "the stop); give --steps")
     if train_data is not None:
-        from k3.train.trainer import check_dataset
+        from k3.train.batches import check_dataset
 
         check_dataset(train_data, "training", config, tc.batch_size, tc.seq_len, tc.seed,
                       min_tokens=tc.batch_size * tc.seq_len + 1)
@@ -187,234 +177,130 @@ def check_resume_meta(meta: dict, config: K3Config, tc: TrainConfig, data_info: 
                              f"{data.get('data_dir', 'DIR')} (the data it was trained on), or start a new run")
 
 
-class ParallelTrainer:
-    """Train a K3Model over a ParallelContext; rank 0 writes metrics, all ranks write checkpoints.
-    `placements`: {MoE layer index over the whole model: Placement}."""
+class DistributedContext:
+    """The loop's parallel context over a ParallelContext (mesh, groups): rank r of dp trains on its rows of each
+    global batch; experts are placed by MoonEP (`placements`: {MoE layer index over the whole model: Placement}),
+    the rest sharded by FSDP2; with pp > 1 each rank keeps its pipeline stage. Rank 0 writes metrics, every rank
+    writes its shards of the (DCP) checkpoints."""
 
-    def __init__(self, config: K3Config, tc: TrainConfig, train_data, ctx: ParallelContext,
-                 out_dir=None, placements: dict[int, Placement] | None = None, overwrite: bool = False,
-                 data_info: dict | None = None):
-        from k3.model.transformer import K3Model
-
-        self.config, self.tc, self.ctx = config.validate(), tc.validate(), ctx
-        self.data_info = dict(data_info or {})  # stored as the checkpoint's `data`; a resume must match it
-        dims = ctx.dims
-        check_parallel_settings(config, tc, dims, train_data)  # before the model is built
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        self.overwrite = overwrite
-        self.train_data = train_data
-        torch.manual_seed(tc.seed)  # the same init as the single-process Trainer, on every rank
-        self.model = K3Model(config).to(ctx.device)
-        moe_ids = [i for i in range(config.n_layers) if config.is_moe_layer(i)]  # layer of each MoE index
+    def __init__(self, ctx: ParallelContext, placements: dict[int, Placement] | None = None):
+        self.mesh, self.dims, self.device = ctx, ctx.dims, ctx.device
+        self.world, self.rank, self.dp = ctx.dims.world, ctx.rank, ctx.dims.dp
+        self.placements = dict(placements or {})
+        self.pipelined = ctx.dims.pp > 1
         self.stage = None
-        if dims.pp > 1:
-            held = prune_to_stage(self.model, ctx.pp_rank, dims.pp)
+
+    def check(self, config: K3Config, tc: TrainConfig) -> None:
+        check_parallel_settings(config, tc, self.dims)
+
+    def prepare(self, model):
+        config, ctx = model.config, self.mesh
+        moe_ids = [i for i in range(config.n_layers) if config.is_moe_layer(i)]  # layer of each MoE index
+        if self.pipelined:
+            held = prune_to_stage(model, ctx.pp_rank, self.dims.pp)
             self._moe_index = [g for g, i in enumerate(moe_ids) if i in held]  # this stage's MoE layers
         else:
             self._moe_index = list(range(len(moe_ids)))
-        self._n_moe = len(moe_ids)
-        self.placements = dict(placements or {})
+        self._n_moe, self._n_experts = len(moe_ids), config.n_experts
         local = {k: self.placements[g] for k, g in enumerate(self._moe_index) if g in self.placements}
-        parallelize(self.model, ctx, local)
-        if dims.pp > 1:
-            self.stage = PipelineStage(self.model, ctx.pp_rank, dims.pp, ranks=ctx.pp_ranks, group=ctx.pp_group)
-        self.optimizer = build_optimizer(self.model, "adamw", lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas)
-        for opt in self.optimizer.optimizers.values():
-            for g in opt.param_groups:
-                g["foreach"] = False  # one group mixes FSDP DTensors and plain expert tensors
-        self._peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.schedule = tc.schedule()
-        self.step, self.tokens = 0, 0
+        parallelize(model, ctx, local)
+        if self.pipelined:
+            self.stage = PipelineStage(model, ctx.pp_rank, self.dims.pp, ranks=ctx.pp_ranks, group=ctx.pp_group)
         # token-slots per expert seen since the last save, per MoE layer: EPLB's input at the next restart
-        self._loads = [torch.zeros(config.n_experts, dtype=torch.float64) for _ in self.model.moe_layers()]
+        self._loads = [torch.zeros(config.n_experts, dtype=torch.float64) for _ in model.moe_layers()]
+        return model
 
-    @property
-    def ckpt_dir(self) -> Path | None:
-        return None if self.out_dir is None else self.out_dir / "checkpoint"
+    def optimizer(self, model, tc: TrainConfig):
+        opt = build_optimizer(model, "adamw", lr=tc.lr, weight_decay=tc.weight_decay, betas=tc.betas)
+        for o in opt.optimizers.values():
+            for g in o.param_groups:
+                g["foreach"] = False  # one group mixes FSDP DTensors and plain expert tensors
+        return opt
 
-    def rows(self) -> slice:
-        b = self.tc.batch_size // self.ctx.dims.dp
-        return slice(self.ctx.dp_rank * b, (self.ctx.dp_rank + 1) * b)
+    def rows(self, batch_size: int) -> slice:
+        b = batch_size // self.dp
+        return slice(self.mesh.dp_rank * b, (self.mesh.dp_rank + 1) * b)
 
-    def _observe_loads(self) -> None:
-        for acc, moe in zip(self._loads, self.model.moe_layers()):
+    def observe_loads(self, model) -> None:
+        for acc, moe in zip(self._loads, model.moe_layers()):
             if moe.router.last_load is not None:
                 acc += moe.router.last_load.to(acc)
 
-    def _micro_batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of micro-batch `micro` of the current step."""
-        tc, rows = self.tc, self.rows()
-        x, y = split_batch(self.train_data.get_batch(self.step * tc.accum + micro, tc.batch_size, tc.seq_len, tc.seed))
-        return x[rows].to(self.ctx.device), y[rows].to(self.ctx.device)
-
-    def train_step(self) -> dict:
-        return self._pipeline_step() if self.stage is not None else self._data_parallel_step()
-
-    def _pipeline_step(self) -> dict:
-        """GPipe over the accum micro-batches; the same update as the single-process step."""
-        tc, model, ctx = self.tc, self.model, self.ctx
-        model.train()
-        t0 = time.perf_counter()
-        lr_factor = self.schedule.apply(self.optimizer, self.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        batches = [self._micro_batch(m) for m in range(tc.accum)]
+    def pipeline_step(self, model, batches: list) -> float:
+        """GPipe over the micro-batches; the global mean loss (from the last stage, on every rank)."""
         losses = run_gpipe(self.stage, [x for x, _ in batches], [y for _, y in batches],
-                           on_forward=lambda m: self._observe_loads())
-        sync_expert_grads(model, 1.0 / ctx.dims.dp)
-        sync_stage_shared_grads(model, ctx)
-        norm = global_grad_norm(model, ctx)
+                           on_forward=lambda m: self.observe_loads(model))
         # the last stage's losses (each mean CE / accum) reach every rank, rank 0 (first stage) included
-        loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=ctx.device)
+        loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=self.device)
         comm.all_reduce(loss_sum, tag="loss")
-        loss = float(loss_sum) / ctx.dims.dp
-        self._check_finite(loss, norm)
-        clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
-        self.optimizer.step()
-        with router_balancing_over(ctx.dp_group):
-            model.update_balancing()
-        return self._record(loss, norm, lr_factor, t0)
+        return float(loss_sum) / self.dp
 
-    def _data_parallel_step(self) -> dict:
-        tc, model, ctx = self.tc, self.model, self.ctx
-        model.train()
-        t0 = time.perf_counter()
-        lr_factor = self.schedule.apply(self.optimizer, self.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=ctx.device)
-        for micro in range(tc.accum):
-            x, y = self._micro_batch(micro)
-            logits = model(x)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            total = loss + model.aux_loss()
-            (total / tc.accum).backward()
-            loss_sum += loss.detach()
-            self._observe_loads()
-        sync_expert_grads(model, 1.0 / ctx.dims.dp)
-        norm = global_grad_norm(model, ctx)
-        comm.all_reduce(loss_sum, group=ctx.dp_group, tag="loss")
-        loss = float(loss_sum) / ctx.dims.dp / tc.accum
-        self._check_finite(loss, norm)
-        clip_grads_(model, norm, tc.grad_clip if tc.grad_clip > 0 else math.inf)
-        self.optimizer.step()
-        model.update_balancing()
-        return self._record(loss, norm, lr_factor, t0)
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Summed over the data-parallel ranks (the loss of each rank's rows)."""
+        comm.all_reduce(t, group=self.mesh.dp_group, tag="loss")
+        return t
 
-    def _check_finite(self, loss: float, norm: torch.Tensor) -> None:
-        """Before the update, on every rank alike (loss and norm are global): a non-finite step is never applied
-        and so never saved."""
-        if not (math.isfinite(loss) and math.isfinite(float(norm))):
-            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {float(norm)}"
-            raise ValueError(f"training diverged: {what} at step {self.step + 1} (not applied, not saved); lower "
-                             "--lr or check the data")
+    def any(self, flag: bool) -> bool:
+        """Whether any rank says so (a 4-byte all-reduce, MAX): every rank gets the same answer after the same step,
+        so on a stop request they all save that step together and stop."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, tag="stop_request")
+        return bool(t.item())
 
-    def _record(self, loss: float, norm: torch.Tensor, lr_factor: float, t0: float) -> dict:
-        tc, ctx = self.tc, self.ctx
-        n_tok = tc.accum * tc.batch_size * tc.seq_len
-        self.step += 1
-        self.tokens += n_tok
-        dt = time.perf_counter() - t0
-        return {"kind": "train", "step": self.step, "loss": loss, "lr": self._peak_lrs[0] * lr_factor,
-                "grad_norm": float(norm), "tokens": self.tokens, "step_time_s": round(dt, 4),
-                "tokens_per_s": round(n_tok / dt, 2), "world": ctx.dims.world}
+    def barrier(self) -> None:
+        comm.barrier()
+
+    def clip_grads(self, model, params, max_norm: float) -> torch.Tensor:
+        sync_expert_grads(model, 1.0 / self.dp)
+        if self.pipelined:
+            sync_stage_shared_grads(model, self.mesh)
+        norm = global_grad_norm(model, self.mesh)
+        if math.isfinite(float(norm)):  # a non-finite step is refused by the loop before the update
+            clip_grads_(model, norm, max_norm)
+        return norm
+
+    def balancing(self):
+        # with pp > 1 the world holds other stages' layers: balance over this stage's dp group
+        return router_balancing_over(self.mesh.dp_group) if self.pipelined else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> Path:
-        if self.ckpt_dir is None:
-            raise ValueError("ParallelTrainer.save needs an out_dir")
+    def latest(self, ckpt_dir: Path) -> Path | None:
+        return pckpt.latest(ckpt_dir)
+
+    def holds_any(self, ckpt_dir: Path) -> bool:
+        return pckpt.latest(ckpt_dir) is not None or ckpt.latest_checkpoint(ckpt_dir) is not None
+
+    def save(self, loop) -> Path:
         # every MoE layer of the whole model: this stage fills its rows, the sum over the world adds the dp
         # ranks' token-slots and the other stages' rows
-        loads = torch.zeros(self._n_moe, self.config.n_experts, dtype=torch.float64, device=self.ctx.device)
+        loads = torch.zeros(self._n_moe, self._n_experts, dtype=torch.float64, device=self.device)
         for g, acc in zip(self._moe_index, self._loads):
             loads[g] = acc.to(loads.device)
-        comm.all_reduce(loads, group=self.ctx.dp_group if self.ctx.dims.pp == 1 else None, tag="expert_loads")
+        comm.all_reduce(loads, group=self.mesh.dp_group if not self.pipelined else None, tag="expert_loads")
         loads = loads.cpu()
         for acc in self._loads:
             acc.zero_()
         # placements of every MoE layer, as apply_expert_parallel made them (rank 0 holds only its stage's)
-        placements = [self.placements.get(g) or contiguous_placement(self.config.n_experts, self.ctx.dims.ep)
+        placements = [self.placements.get(g) or contiguous_placement(self._n_experts, self.dims.ep)
                       for g in range(self._n_moe)]
-        meta = {"config": self.config.to_dict(), "train": self.tc.to_dict(), "tokens": self.tokens,
+        meta = {"config": loop.config.to_dict(), "train": loop.tc.to_dict(), "tokens": loop.tokens,
                 "expert_loads": loads.tolist(),
-                "dims": {"world": self.ctx.dims.world, "ep": self.ctx.dims.ep, "fsdp": self.ctx.dims.fsdp_size,
-                         "pp": self.ctx.dims.pp},
-                "placements": [p.to_dict() for p in placements], "data": self.data_info}
-        return pckpt.save(self.ckpt_dir, self.step, self.model, self.optimizer, self.ctx, meta, self.tc.keep_last)
+                "dims": {"world": self.world, "ep": self.dims.ep, "fsdp": self.dims.fsdp_size, "pp": self.dims.pp},
+                "placements": [p.to_dict() for p in placements], "data": loop.data_info}
+        return pckpt.save(loop.ckpt_dir, loop.step, loop.model, loop.optimizer, self.mesh, meta, loop.tc.keep_last)
 
-    def resume(self, path=None) -> dict:
-        path = Path(path) if path is not None else self.ckpt_dir
-        if path is None:
-            raise ValueError("resume needs a checkpoint path or an out_dir")
+    def load(self, loop, path: Path) -> dict:
         if pckpt.latest(path) is None and ckpt.latest_checkpoint(path) is not None:
             raise ValueError(f"{path} holds a single-process checkpoint, not a distributed one; resume it without "
                              "--nproc (or start a new distributed run with another --out)")
         meta = pckpt.read_meta(path)  # checked before any collective load: a mismatch is a clear error, not DCP's
-        check_resume_meta(meta, self.config, self.tc, self.data_info)
-        meta = pckpt.load(path, self.model, self.optimizer, self.ctx)
-        for g, lr in zip(self.optimizer.param_groups, self._peak_lrs):
-            g["peak_lr"] = lr
-        self.step, self.tokens = int(meta["step"]), int(meta.get("tokens", 0))
-        log.info("resumed from %s at step %d on %d ranks", meta["path"], self.step, self.ctx.dims.world)
-        return meta
+        check_resume_meta(meta, loop.config, loop.tc, loop.data_info)
+        return pckpt.load(path, loop.model, loop.optimizer, self.mesh)
 
-    def _agree_to_stop(self, requested: bool) -> bool:
-        """Whether any rank was asked to stop (a 4-byte all-reduce, MAX): every rank gets the same answer after
-        the same step, so they all save that step together and stop."""
-        flag = torch.tensor([int(requested)], dtype=torch.int32, device=self.ctx.device)
-        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, tag="stop_request")
-        return bool(flag.item())
 
-    def fit(self, resume: bool | str = False, on_step=None, graceful_interrupt: bool = False) -> TrainResult:
-        """Train to `steps`, saving every `ckpt_every` steps and at the end. `graceful_interrupt` (`k3 train`): a
-        SIGINT or SIGTERM to any rank (torchrun passes on what it receives) ends the run on every rank after the
-        same step, which is saved; `interrupted` is set. A second signal stops that rank at once."""
-        from k3.train.metrics import MetricsWriter
-        from k3.train.trainer import GracefulInterrupt
-
-        tc = self.tc
-        if resume:
-            self.resume(None if resume is True else resume)
-        elif self.ckpt_dir is not None and (pckpt.latest(self.ckpt_dir) is not None
-                                            or ckpt.latest_checkpoint(self.ckpt_dir) is not None):
-            if not self.overwrite:
-                raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
-                                 "--overwrite to start over, or another --out")
-            # start over: the old steps must not mix with (or be pruned instead of) the new. Every rank has
-            # looked before rank 0 deletes (first barrier), so no rank can miss the checkpoint, skip the barriers
-            # and wait in a training collective instead.
-            comm.barrier()
-            if self.ctx.rank == 0:
-                shutil.rmtree(self.ckpt_dir)
-            comm.barrier()
-        writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resume else None) \
-            if self.out_dir is not None and self.ctx.rank == 0 else None
-        result = TrainResult(steps_done=self.step)
-        start = time.perf_counter()
-        saved = None
-        agree = graceful_interrupt and self.ckpt_dir is not None  # the same on every rank: all take part or none
-        interrupt = GracefulInterrupt(agree, announce=self.ctx.rank == 0)
-        try:
-            while self.step < tc.steps:
-                rec = self.train_step()
-                result.losses.append(rec["loss"])
-                if writer is not None:
-                    writer.log(rec)
-                if on_step is not None:
-                    on_step(rec)
-                final = self.step == tc.steps
-                stop = agree and self._agree_to_stop(interrupt.requested)
-                if self.ckpt_dir is not None and ((tc.ckpt_every and self.step % tc.ckpt_every == 0) or final or stop):
-                    saved = self.save()
-                if stop:  # in the last step too: that run is complete and saved, and reported interrupted
-                    result.interrupted = True
-                    log.info("interrupted at step %d: saved a checkpoint of it on every rank", self.step)
-                    break
-        finally:
-            interrupt.restore()
-            if writer is not None:
-                writer.close()
-        result.steps_done, result.tokens = self.step, self.tokens
-        result.elapsed_s = time.perf_counter() - start
-        if saved is None and self.ckpt_dir is not None:  # nothing trained (a resume at --steps): the one it holds
-            saved = pckpt.latest(self.ckpt_dir)
-        result.checkpoint = str(saved) if saved is not None else None
-        return result
+def ParallelTrainer(config: K3Config, tc: TrainConfig, train_data, ctx: ParallelContext, out_dir=None,
+                    placements: dict[int, Placement] | None = None, overwrite: bool = False,
+                    data_info: dict | None = None) -> Trainer:
+    """The pretraining Trainer over a ParallelContext (the one loop in a distributed context)."""
+    return Trainer(config, tc, train_data, None, out_dir, data_info=data_info, overwrite=overwrite,
+                   ctx=DistributedContext(ctx, placements))

@@ -171,7 +171,7 @@ def load_packed(path: str | os.PathLike, device: str | torch.device = "cpu", con
     info = manifest.get("extra", {}).get(EXPORT_KEY)
     if info is None:
         raise ValueError(f"{found} is a training checkpoint, not a packed MX export; load it with "
-                         "k3.train.trainer.load_trained_model, or export it with `k3 export --format mx`")
+                         "k3.io.trained.load_trained_model, or export it with `k3 export --format mx`")
     if info.get("version") != EXPORT_VERSION or info.get("block_size") != BLOCK:
         raise ValueError(f"{found / ckpt.MANIFEST}: extra.{EXPORT_KEY} has version {info.get('version')!r}, "
                          f"block_size {info.get('block_size')!r}; this k3 reads version {EXPORT_VERSION}, block 32")

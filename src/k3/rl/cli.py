@@ -119,7 +119,7 @@ def _tokenizer(root: Path):
 def _load(root: Path, name: str, tokenizer):
     """The latest checkpoint of ROOT/<name> (a stage or a run; callers check first that it holds one with
     `_check_models`), checked against the experiment's tokenizer."""
-    from k3.train.trainer import load_trained_model, trained_tokenizer_hash
+    from k3.io.trained import load_trained_model, trained_tokenizer_hash
     model, manifest = load_trained_model(root / name / "checkpoint")
     if trained_tokenizer_hash(manifest) not in (None, tokenizer.fingerprint):
         raise ValueError(f"{root / name / 'checkpoint'} was trained with another tokenizer than "

@@ -8,7 +8,7 @@ import sys
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from k3.train.cli import set_threads
-    from k3.train.trainer import resolve_device
+    from k3.train.device import resolve_device
 
     # every check (checkpoint, config, tokenizer) runs before the port opens
     for name in ("max_batch", "prefill_chunk", "default_max_tokens"):

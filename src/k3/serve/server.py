@@ -112,7 +112,7 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike 
     from k3.config import K3Config, is_complete_config, read_config_file
     from k3.train.checkpoint import check_config
     from k3.io import load_with_manifest
-    from k3.train.trainer import checkpoint_tokenizer
+    from k3.io.trained import checkpoint_tokenizer
 
     if config_path is not None:  # read before the model is loaded: a bad file is named at once
         want = read_config_file(config_path)

@@ -175,6 +175,28 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 # ---------------------------------------------------------------------- save
+def latest_distributed(root: str | os.PathLike) -> Path | None:
+    """Of a distributed (DCP) checkpoint root: the step directory `latest` names; if that is not complete (a crash while a step was rewritten), the
+    newest complete one; `root` itself when it is a step directory; None when there is no checkpoint."""
+    root = Path(root)
+    f = root / LATEST
+    named = None
+    if f.is_file():
+        named = root / f.read_text().strip()
+        if (named / DCP_META).is_file():
+            return named
+    if (root / DCP_META).is_file():
+        return root
+    steps = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / DCP_META).is_file()),
+                   key=lambda p: int(p.name[5:]))
+    if not steps:
+        return None  # not a distributed checkpoint (a single-process root has the same `latest` file)
+    if named is not None:
+        log.warning("%s names %s, which is not a complete distributed checkpoint; using the newest complete one, "
+                    "%s", f, named.name, steps[-1].name)
+    return steps[-1]
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module, optimizer=None,
                     config=None, data_state: dict | None = None, extra: dict | None = None,
                     keep_last: int = 3) -> Path:

@@ -238,7 +238,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from k3.fileio import atomic_write_text
     from k3.train.metrics import bits_per_byte, unigram_loss
     from k3.train.plots import plot_all
-    from k3.train.trainer import TrainConfig, Trainer, _check_writable, eval_batches
+    from k3.train.trainer import TrainConfig, Trainer, _check_writable
+    from k3.train.batches import eval_batches
 
     t_start = time.perf_counter()
     threads = set_threads(args.threads, auto=True)

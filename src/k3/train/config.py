@@ -1,0 +1,142 @@
+"""The one loop's settings (`TrainConfig`), and what a resumed run must share with the run it continues."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from k3.train import checkpoint as ckpt
+from k3.train.schedule import WSDSchedule
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    accum: int = 1
+    lr: float = 3e-3
+    optimizer: str = "adamw"  # adamw | muon (MuonClip: Muon + QK-Clip)
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = 0.95  # Muon
+    warmup_frac: float = 0.05
+    warmup_steps: int | None = None  # overrides warmup_frac
+    decay_frac: float = 0.2
+    min_lr_ratio: float = 0.1
+    schedule_shape: str = "linear"
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    qk_clip_tau: float = 100.0  # used with optimizer = muon; 0 disables
+    max_minutes: float | None = None  # stop when the next step plus a final eval and save would exceed it
+    # With max_minutes: treat `steps` as a cap and re-plan the total from the measured time per step (during
+    # the decay only shortening it), so the WSD decay ends as the budget does (the demo).
+    fit_steps_to_budget: bool = False
+    token_budget: int | None = None  # also stop once this many tokens were trained on (post-training)
+    eval_every: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 8
+    eval_at_start: bool = False  # also evaluate before the first step (a fresh run's baseline)
+    ckpt_every: int = 0  # 0: checkpoint only at the end
+    keep_last: int = 3
+    seed: int = 0
+    activation_checkpointing: bool = False
+    # torch.compile backend: False/"" = eager, True = "inductor"; "aot_eager" traces without code generation
+    # (what the CPU test uses). On CPU inductor was not measured to help (docs/training.md).
+    compile: bool | str = False
+    device: str = "auto"  # auto | cpu | cuda
+    record_attnres: bool = True
+    measure_mfu: bool = True
+
+    def validate(self) -> "TrainConfig":
+        for name in ("steps", "batch_size", "seq_len", "accum", "eval_batches", "keep_last"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} = {v!r} must be a positive integer")
+        if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an integer >= 0")
+        for name in ("eval_every", "ckpt_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} = {v!r} must be an integer >= 0 (0 = only at the end)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr = {self.lr!r} must be a positive number")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer = {self.optimizer!r}; choose adamw or muon")
+        if not 0 <= self.decay_frac <= 1:
+            raise ValueError(f"decay_frac = {self.decay_frac} must be a fraction of the steps, in [0, 1]")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget = {self.token_budget} must be a positive number of tokens")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes = {self.max_minutes!r} must be positive")
+        if not (self.grad_clip >= 0 and self.qk_clip_tau >= 0):  # NaN too
+            raise ValueError("grad_clip and qk_clip_tau must be >= 0 (0 disables)")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device = {self.device!r}; choose auto, cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device = cuda but CUDA is not available")
+        if self.compile not in (False, True, "") and self.compile not in _compile_backends():
+            raise ValueError(f"compile = {self.compile!r} is not a torch.compile backend; "
+                             f"choose one of {sorted(_compile_backends())}")
+        if self.fit_steps_to_budget and self.max_minutes is None:
+            raise ValueError("fit_steps_to_budget needs max_minutes")
+        self.schedule()
+        return self
+
+    def schedule(self, total: int | None = None, warmup: int | None = None) -> WSDSchedule:
+        total = self.steps if total is None else total
+        if warmup is None:
+            warmup = self.warmup_steps if self.warmup_steps is not None else \
+                (math.ceil(self.warmup_frac * total) if self.warmup_frac > 0 else 0)
+        warmup = min(warmup, total)
+        decay = min(total - warmup, round(self.decay_frac * total))
+        return WSDSchedule(total, warmup, decay, self.min_lr_ratio, self.schedule_shape)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Fields that must match for a resumed run to see the same batches and updates.
+RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
+# ... and the same learning-rate schedule and update rule (read from the checkpoint's recorded train config;
+# `steps` may grow: the schedule is re-planned for the new total, as documented)
+SCHEDULE_FIELDS = ("lr", "warmup_steps", "warmup_frac", "decay_frac", "min_lr_ratio", "schedule_shape",
+                   "weight_decay", "betas", "momentum", "grad_clip", "qk_clip_tau")
+_SCHEDULE_FLAGS = {"lr": "--lr", "warmup_steps": "--warmup-steps"}  # the ones `k3 train` exposes
+
+
+
+def check_schedule_fields(recorded: dict | None, tc: "TrainConfig", where: str) -> None:
+    """A resume must train with the learning-rate schedule and update rule its checkpoint was trained with
+    (`recorded`: the checkpoint's train config; an older checkpoint without one is not checked)."""
+    for k in SCHEDULE_FIELDS:
+        if not recorded or k not in recorded:
+            continue
+        have, now = recorded[k], getattr(tc, k)
+        if (list(have) if isinstance(have, (list, tuple)) else have) != \
+                (list(now) if isinstance(now, (list, tuple)) else now):
+            flag = _SCHEDULE_FLAGS.get(k)
+            fix = (f"resume with {flag} {have}" if have is not None else f"resume without {flag}") if flag else \
+                f"resume with TrainConfig({k}={have!r})"
+            raise ckpt.CheckpointError(f"{where}: {k} is {have!r} in the checkpoint but {now!r} now; {fix} "
+                                       "(or start a new run: a resume continues the same schedule)")
+
+
+def _compile_backends() -> set[str]:
+    import torch._dynamo
+
+    return set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"}
+
+
+# a resume keeps the run's learning rate (it is refused under another): what a lower --lr takes
+DIVERGED_RESTART = "a run with another --lr starts over: --overwrite or another --out"
+
+# Post-training (SFT, MOPD, GRPO) defaults: no weight decay, a short warmup, no decay (a run may stop on a token
+# budget), the first and last evaluation, two checkpoints kept.
+POST_TRAINING = dict(steps=100, weight_decay=0.0, warmup_steps=10, decay_frac=0.0, keep_last=2, eval_at_start=True)
+
+
+def post_training(**settings) -> TrainConfig:
+    """A TrainConfig with the post-training defaults, overridden by `settings`."""
+    return TrainConfig(**{**POST_TRAINING, **settings})
