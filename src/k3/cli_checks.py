@@ -67,7 +67,7 @@ def output_jsonl(flag: str, path, example: str) -> None:
     output_file(flag, path, example)
     p = Path(path)
     if p.is_file() and p.stat().st_size:
-        import json
+        from k3.fileio import loads_json
 
         with open(p, "rb") as f:
             first = f.readline(1 << 20)
@@ -75,7 +75,7 @@ def output_jsonl(flag: str, path, example: str) -> None:
             ok = first.startswith(b"{")
         else:
             try:
-                ok = isinstance(json.loads(first), dict)
+                ok = isinstance(loads_json(first), dict)  # a deep first line was a RecursionError
             except ValueError:  # JSONDecodeError and bytes that are not UTF-8
                 ok = False
         if not ok:

@@ -37,7 +37,7 @@ from k3.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
-from k3.fileio import atomic_open, atomic_write_text, pid_alive, writer_pid
+from k3.fileio import atomic_open, atomic_write_text, loads_json, pid_alive, writer_pid
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ class PackedDataset:
                              f"{self.manifest_path.parent}`")
         rebuild = f"rebuild it with `k3 tokenize --out {self.manifest_path.parent}`"
         try:
-            self.manifest = m = json.loads(self.manifest_path.read_text(encoding="utf-8"))
+            self.manifest = m = loads_json(self.manifest_path.read_text(encoding="utf-8"))  # bounded nesting
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{self.manifest_path} is not valid JSON ({e}): the dataset is damaged; "
                              f"{rebuild}") from None

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from k3.config import KDA, K3Config, K3ConfigError
+from k3.fileio import loads_json
 
 KIMI_TYPES = ("kimi_linear", "kimi_k3")
 K3_PREFIX = "language_model."
@@ -476,7 +477,7 @@ def _read_json(path: Path):
 def config_model_type(path: str | os.PathLike) -> str | None:
     """The model_type of `path`/config.json, or None when there is no readable config object."""
     try:
-        d = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        d = loads_json((Path(path) / "config.json").read_text(encoding="utf-8"))  # bounded nesting
     except (OSError, ValueError):
         return None
     return d.get("model_type") if isinstance(d, dict) else None
