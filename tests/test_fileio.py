@@ -86,3 +86,14 @@ def test_loads_json_refuses_absurd_nesting_with_a_decode_error(tmp_path):
     with pytest.raises(ValueError, match=r"m.json: the manifest is not valid JSON \(nested deeper") as e:
         read_json(tmp_path / "m.json", "manifest")
     assert "\n" not in str(e.value)
+
+
+def test_a_deeply_nested_checkpoint_manifest_is_a_one_line_error(tmp_path):
+    """`k3 eval` and `--resume` read manifest.json through read_manifest: a RecursionError traceback before."""
+    from k3.train.checkpoint import CheckpointError, read_manifest
+
+    (tmp_path / "manifest.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="manifest.json: not valid JSON \\(nested deeper than") as e:
+        read_manifest(tmp_path)
+    assert "\n" not in str(e.value)
