@@ -264,3 +264,18 @@ def test_deeply_nested_task_files_are_a_one_line_error(tmp_path):
         with pytest.raises(ValueError, match="nested deeper than") as e:
             load_task(root)
         assert "\n" not in str(e.value) and what in str(e.value)
+
+
+def test_a_model_cannot_opt_out_with_deeply_nested_tool_arguments():
+    """An HTTP policy's tool call whose arguments nest 100,000 deep raised RecursionError out of act(): a
+    policy_error, which is excluded. It is a malformed call now, which the episode answers and counts."""
+    from k3.agentenv.dialects import choose_variant, make_dialect
+    from k3.agentenv.policies import EpisodeInfo, OpenAIChatPolicy
+
+    pol = OpenAIChatPolicy("http://127.0.0.1:9", "m")
+    dialect = make_dialect(choose_variant(0, ("kimi",), False))
+    pol.begin_episode(EpisodeInfo("t", "pyfix", 0, dialect))
+    name = next(iter(dialect.by_name))
+    call = {"function": {"name": name, "arguments": "[" * 100_000 + "]" * 100_000}}
+    text = pol._text({"choices": [{"message": {"content": "", "tool_calls": [call]}}]})
+    assert isinstance(text, str) and text

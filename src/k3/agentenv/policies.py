@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable
 
+from k3.fileio import loads_json
+
 from .actions import Action, action_from_json
 from .dialects import Dialect
 
@@ -209,7 +211,7 @@ class OpenAIChatPolicy(Policy):
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    data = json.loads(resp.read(16 << 20))
+                    data = loads_json(resp.read(16 << 20))  # a JSONDecodeError past absurd nesting
                 return self._text(data)
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code}: {e.read(500).decode('utf-8', 'replace')}"
@@ -237,7 +239,8 @@ class OpenAIChatPolicy(Policy):
                     args = raw
                 else:
                     try:
-                        args = json.loads(raw or "{}") if isinstance(raw, str) else None
+                        # the model wrote these: nesting past the limit is a malformed call, never a crash
+                        args = loads_json(raw or "{}") if isinstance(raw, str) else None
                     except json.JSONDecodeError:
                         args = None
                 if self._dialect.by_name.get(fn.get("name")) is None:
