@@ -41,6 +41,22 @@ def test_layout_dtype_and_doc_boundaries(ds, docs, tok):
     assert int((np.asarray(ds.tokens) == tok.eos_id).sum()) == len(docs)
 
 
+def test_document_ids_change_right_after_each_eos(ds, tok):
+    """get_batch(docs=True): a window's document ids change exactly at the token after an <|eos|> (a document's
+    eos is its own last token), for training windows and for the evaluation batches."""
+    T, seen = 256, 0
+    for step in range(20):
+        x, y, d = ds.get_batch(step, 16, T, seed=1, docs=True)
+        x2, y2 = ds.get_batch(step, 16, T, seed=1)
+        assert torch.equal(x, x2) and torch.equal(y, y2) and d.shape == x.shape and d.dtype == torch.long
+        change = d[:, 1:] != d[:, :-1]
+        assert torch.equal(change, x[:, :-1] == tok.eos_id)
+        seen += int(change.sum())
+    assert seen > 0
+    for xb, _, db in ds.iter_eval_batches(4, T, max_batches=3, docs=True):
+        assert torch.equal(db[:, 1:] != db[:, :-1], xb[:, :-1] == tok.eos_id)
+
+
 def test_token_dtype():
     assert token_dtype(512) == np.uint16 and token_dtype(65536) == np.uint16
     assert token_dtype(65537) == np.uint32 and token_dtype(163840) == np.uint32

@@ -1,5 +1,5 @@
 """Pipeline-parallel training (GPipe over the accum micro-batches, the AttnRes sources crossing stages)
-against the single-process Trainer: 2 stages on 2 ranks, then a resume of that pp = 2 checkpoint on 4
+against the single-process Trainer, on packed documents (each stage masks at their boundaries): 2 stages on 2 ranks, then a resume of that pp = 2 checkpoint on 4
 ranks (2 stages x 2 data-parallel ranks, FSDP 2, EP 2), and `k3 train --nproc 2 --pp 2` end to end.
 
 The comparison runs in float64, as test_parallel_fsdp does and for the same reason: in float32 the
@@ -23,6 +23,22 @@ from k3.parallel.launch import run_local
 from k3.parallel.pipeline import prune_to_stage
 from k3.train.trainer import TrainConfig, Trainer
 
+class Documents(Tokens):
+    """The same stream cut into documents of 11 tokens: every window holds boundaries, so the stages must all
+    mask at them (each stage's KDA, convolution and MLA) for the pipeline to equal one process."""
+
+    def window_doc_ids(self, starts, seq_len):
+        return (torch.as_tensor(starts).reshape(-1, 1) + torch.arange(seq_len)) // 11
+
+    def get_batch(self, step, batch_size, seq_len, seed=0, docs=False):
+        x, y = super().get_batch(step, batch_size, seq_len, seed)
+        if not docs:
+            return x, y
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)  # Tokens' window starts
+        starts = torch.randint(0, self.n_tokens - seq_len, (batch_size,), generator=g)
+        return x, y, self.window_doc_ids(starts, seq_len)
+
+
 TC = dict(steps=8, batch_size=4, seq_len=16, accum=2, warmup_steps=2, measure_mfu=False, record_attnres=False)
 TOL = 1e-4  # losses (each a float32 cross-entropy, so ~5e-7 is its resolution)
 PARAM_TOL = 1e-6  # final parameters; measured ~5e-8
@@ -34,7 +50,7 @@ def _train(rank, world, pp, ep, fsdp, out, resume=None, ckpt_every=4):
 
     torch.set_default_dtype(torch.float64)
     ctx = build_context(ParallelDims(world, ep=ep, fsdp=fsdp, pp=pp))
-    t = ParallelTrainer(get_config("tiny"), TrainConfig(**TC, ckpt_every=ckpt_every), Tokens(), ctx, out_dir=out)
+    t = ParallelTrainer(get_config("tiny"), TrainConfig(**TC, ckpt_every=ckpt_every), Documents(), ctx, out_dir=out)
     norms = []
     losses = t.fit(resume=resume or False, on_step=lambda r: norms.append(r["grad_norm"])).losses
     params = {}
@@ -56,7 +72,8 @@ def reference():
     torch.set_default_dtype(torch.float64)
     try:
         norms = []
-        t = Trainer(get_config("tiny"), TrainConfig(**TC), Tokens(), None)
+        t = Trainer(get_config("tiny"), TrainConfig(**TC), Documents(), None)
+        assert t.doc_mask
         losses = t.fit(on_step=lambda r: norms.append(r["grad_norm"])).losses
         return {"losses": losses, "norms": norms,
                 "params": {n: p.detach().clone() for n, p in t.model.named_parameters()}}

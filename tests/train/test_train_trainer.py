@@ -416,3 +416,58 @@ def test_a_signal_before_the_first_step_or_in_the_last_stops_the_caller(tmp_path
     result = t2.fit(graceful_interrupt=True)
     assert result.interrupted and result.steps_done == 3
     assert ckpt.latest_checkpoint(tmp_path / "b" / "checkpoint").name == "step_000003"
+
+
+class _Docs:
+    """Random tokens cut into documents of 5, 7 and 9 tokens: every training window holds boundaries."""
+
+    vocab_size = None
+
+    def __init__(self, vocab_size: int, n_tokens: int = 4096):
+        self.vocab_size = vocab_size
+        self.tokens = torch.randint(0, vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(1))
+        lengths = [5, 7, 9] * n_tokens
+        self.doc_starts = torch.tensor([0] + lengths[:n_tokens // 7]).cumsum(0)
+        self.n_tokens = n_tokens
+
+    def window_doc_ids(self, starts, seq_len):
+        pos = torch.as_tensor(starts).reshape(-1, 1) + torch.arange(seq_len)
+        return torch.searchsorted(self.doc_starts, pos, right=True)
+
+    def get_batch(self, step, batch_size, seq_len, seed=0, docs=False):
+        starts = torch.arange(batch_size) * 37 + step * 101
+        w = torch.stack([self.tokens[s:s + seq_len + 1] for s in starts.tolist()])
+        out = (w[:, :-1].clone(), w[:, 1:].clone())
+        return out + (self.window_doc_ids(starts, seq_len),) if docs else out
+
+
+def test_doc_mask_trains_each_packed_document_on_its_own(tmp_path):
+    """`k3 train` masks at document boundaries by default: the first step's loss is the mean cross-entropy of
+    every document of the batch run alone through the same initial model; with doc_mask off it is the plain
+    packed windows' (`--no-doc-mask`)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    cfg = get_config("tiny")
+    data = _Docs(cfg.vocab_size)
+    tc = dict(steps=2, batch_size=2, seq_len=24, warmup_steps=0, measure_mfu=False)
+    masked = Trainer(cfg, TrainConfig(**tc), data, None)
+    packed = Trainer(cfg, TrainConfig(**tc, doc_mask=False), data, None)
+    assert masked.doc_mask and not packed.doc_mask
+    model = copy.deepcopy(masked.model).eval()
+    x, y, d = data.get_batch(0, 2, 24, docs=True)
+    with torch.no_grad():
+        whole = F.cross_entropy(model(x).reshape(-1, cfg.vocab_size), y.reshape(-1)).item()
+        total, n = 0.0, 0
+        for r in range(2):
+            cut = [0] + [t for t in range(1, 24) if d[r, t] != d[r, t - 1]] + [24]
+            assert len(cut) > 3  # several documents per window
+            for s, e in zip(cut, cut[1:]):
+                logits = model(x[r:r + 1, s:e])
+                total += F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y[r, s:e], reduction="sum").item()
+                n += e - s
+    per_doc = total / n
+    assert abs(per_doc - whole) > 1e-3  # the boundaries matter on this data
+    assert masked.train_step()["loss"] == pytest.approx(per_doc, rel=1e-5)
+    assert packed.train_step()["loss"] == pytest.approx(whole, rel=1e-5)

@@ -158,25 +158,36 @@ class PackedDataset:
         starts = (state % np.uint64(self.n_tokens - seq_len)).astype(np.int64)
         return starts[rank * batch_size:(rank + 1) * batch_size]
 
-    def _windows(self, starts: Iterable[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, starts: Iterable[int], seq_len: int, docs: bool = False) -> tuple[torch.Tensor, ...]:
         import torch  # lazily: `k3 tokenize` never needs it
 
+        starts = np.asarray(list(starts), dtype=np.int64)
         w = np.stack([np.asarray(self.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
-        return torch.from_numpy(w[:, :-1].copy()), torch.from_numpy(w[:, 1:].copy())
+        x, y = torch.from_numpy(w[:, :-1].copy()), torch.from_numpy(w[:, 1:].copy())
+        return (x, y, self.window_doc_ids(starts, seq_len)) if docs else (x, y)
+
+    def window_doc_ids(self, starts: Iterable[int], seq_len: int) -> torch.Tensor:
+        """[len(starts), seq_len] long: the document of each input token of the windows starting at `starts` (a
+        document's closing <|eos|> is its own last token, so the next document begins after it)."""
+        import torch
+
+        pos = np.asarray(list(starts), dtype=np.int64)[:, None] + np.arange(seq_len, dtype=np.int64)[None, :]
+        return torch.from_numpy(np.searchsorted(self.doc_starts, pos, side="right").astype(np.int64))
 
     def get_batch(self, step: int, batch_size: int, seq_len: int, seed: int = 0,
-                  rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), LongTensors [batch_size, seq_len], targets = inputs shifted by one token.
-        The content depends only on (seed, step) (and the rank's slice): resumable by construction."""
-        return self._windows(self.batch_starts(step, batch_size, seq_len, seed, rank, world_size), seq_len)
+                  rank: int = 0, world_size: int = 1, docs: bool = False) -> tuple[torch.Tensor, ...]:
+        """(inputs, targets), LongTensors [batch_size, seq_len], targets = inputs shifted by one token; with
+        `docs`, also the document ids of the inputs (`window_doc_ids`). The content depends only on (seed, step)
+        (and the rank's slice): resumable by construction."""
+        return self._windows(self.batch_starts(step, batch_size, seq_len, seed, rank, world_size), seq_len, docs)
 
     # ------------------------------------------------------------------ evaluation batches
     def n_eval_windows(self, seq_len: int) -> int:
         self.check_seq_len(seq_len)
         return (self.n_tokens - 1) // seq_len
 
-    def iter_eval_batches(self, batch_size: int, seq_len: int,
-                          max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def iter_eval_batches(self, batch_size: int, seq_len: int, max_batches: int | None = None,
+                          docs: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         """Non-overlapping windows from token 0 on, in order; the last batch may be smaller."""
         n = self.n_eval_windows(seq_len)
         if batch_size <= 0:
@@ -185,7 +196,7 @@ class PackedDataset:
         for b, i in enumerate(range(0, n, batch_size)):
             if max_batches is not None and b >= max_batches:
                 return
-            yield self._windows(starts[i:i + batch_size], seq_len)
+            yield self._windows(starts[i:i + batch_size], seq_len, docs)
 
 
 def build_dataset(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: str | os.PathLike,

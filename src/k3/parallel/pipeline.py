@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.model.attnres import AttnResState
+from k3.model.segments import Segments
 from k3.parallel import comm
 
 __all__ = ["stage_layers", "StageLayers", "prune_to_stage", "stage_shared_params", "PipelineStage", "run_gpipe"]
@@ -134,7 +135,7 @@ class PipelineStage:
         model.forward = self._run
 
     # ------------------------------------------------------------------ forward
-    def _run(self, x: torch.Tensor, header: list[int] | None = None):
+    def _run(self, x: torch.Tensor, header: list[int] | None = None, doc_ids: torch.Tensor | None = None):
         """The stage's layers: x is input_ids [B, T] (first stage) or the sources [n, B, T, D]. Returns
         logits [B, T, V] (last stage) or (sources [n', B, T, D], header of the state they form)."""
         model, ar = self.model, self.model.attnres
@@ -146,10 +147,12 @@ class PipelineStage:
             # phase-1 statistics of an open block are recomputed from the received sources (exact)
             state = AttnResState(completed=parts[:n_completed], current=parts[n_completed:], step=step,
                                  block_start=block_start, stats=None, shape=(B, T, x.shape[-1]))
+        segments = None if doc_ids is None else Segments.from_doc_ids(doc_ids, model.config.kda_conv_size - 1)
         for i in self.layers:
             block = model.layers[i]
             h = ar.mix(state, 2 * i)
-            ar.push(state, 2 * i, block.mixer(block.attn_norm(h)))
+            y = block.mixer(block.attn_norm(h)) if segments is None else block.mixer(block.attn_norm(h), segments=segments)
+            ar.push(state, 2 * i, y)
             h = ar.mix(state, 2 * i + 1)
             ar.push(state, 2 * i + 1, block.ffn(block.ffn_norm(h)))
         if self.last:
@@ -158,14 +161,15 @@ class PipelineStage:
         return torch.stack(state.completed + state.current), [len(state.completed), len(state.current), state.step,
                                                                state.block_start, B, T]
 
-    def forward(self, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """First stage: input_ids [B, T]. Returns logits [B, T, V] on the last stage, else None."""
+    def forward(self, input_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """First stage: input_ids [B, T]. Returns logits [B, T, V] on the last stage, else None. `doc_ids` [B, T]:
+        the documents of a packed batch (see K3Model.forward), given to every stage."""
         if self.first:
             if input_ids is None:
                 raise ValueError("the first stage needs input_ids")
-            out = self.model(input_ids)
+            out = self.model(input_ids, doc_ids=doc_ids)
         else:
-            out = self.model(*self._receive())
+            out = self.model(*self._receive(), doc_ids=doc_ids)
         aux = self.model.aux_loss()
         self._aux.append(aux if isinstance(aux, torch.Tensor) and aux.requires_grad else None)
         if self.last:
@@ -220,15 +224,18 @@ class PipelineStage:
             comm.send(g, self.ranks[self.stage - 1], self.group, tag="pp_grads")
 
 
-def run_gpipe(stage: PipelineStage, micro_inputs: list, micro_targets: list, on_forward=None) -> list:
+def run_gpipe(stage: PipelineStage, micro_inputs: list, micro_targets: list, on_forward=None,
+              micro_docs: list | None = None) -> list:
     """GPipe forward+backward over micro-batches; returns per-micro-batch losses on the last stage (mean CE
     / n_micro each, so gradients equal one step on the concatenated batch), [] elsewhere. Routers' balance
     losses count 1 / n_micro each, as in the single-process step. `on_forward(m)` runs after micro-batch
-    m's forward (e.g. to read the routers' loads)."""
+    m's forward (e.g. to read the routers' loads). `micro_docs`: each micro-batch's document ids (every stage
+    masks at the same boundaries)."""
     n = len(micro_inputs)
     losses = []
     for m in range(n):
-        logits = stage.forward(micro_inputs[m] if stage.first else None)
+        logits = stage.forward(micro_inputs[m] if stage.first else None,
+                               doc_ids=None if micro_docs is None else micro_docs[m])
         if on_forward is not None:
             on_forward(m)
         if stage.last:

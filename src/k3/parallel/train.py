@@ -228,8 +228,10 @@ class DistributedContext:
 
     def pipeline_step(self, model, batches: list) -> float:
         """GPipe over the micro-batches; the global mean loss (from the last stage, on every rank)."""
-        losses = run_gpipe(self.stage, [x for x, _ in batches], [y for _, y in batches],
-                           on_forward=lambda m: self.observe_loads(model))
+        docs = [d for _, _, d in batches]
+        losses = run_gpipe(self.stage, [x for x, _, _ in batches], [y for _, y, _ in batches],
+                           on_forward=lambda m: self.observe_loads(model),
+                           micro_docs=None if any(d is None for d in docs) else docs)
         # the last stage's losses (each mean CE / accum) reach every rank, rank 0 (first stage) included
         loss_sum = torch.tensor(sum(losses), dtype=torch.float64, device=self.device)
         comm.all_reduce(loss_sum, tag="loss")

@@ -12,10 +12,11 @@ from k3.train.device import autocast
 
 
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dataset batch -> (inputs [B, T], targets [B, T]): accepts (x, y), {"input_ids", "labels"} or [B, T+1]."""
+    """A dataset batch -> (inputs [B, T], targets [B, T]): accepts (x, y), (x, y, doc_ids), {"input_ids",
+    "labels"} or [B, T+1]."""
     if isinstance(batch, dict):
         return batch["input_ids"], batch.get("labels", batch.get("targets"))
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+    if isinstance(batch, (tuple, list)) and len(batch) in (2, 3):
         return batch[0], batch[1]
     if isinstance(batch, torch.Tensor) and batch.dim() == 2:
         return batch[:, :-1], batch[:, 1:]
@@ -70,12 +71,19 @@ def _n_tokens(dataset) -> int | None:
         return None
 
 
-def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None = None, seed: int = 0):
+def has_documents(dataset) -> bool:
+    """Whether `dataset` knows where its packed documents start (`get_batch(..., docs=True)` gives their ids)."""
+    return callable(getattr(dataset, "window_doc_ids", None))
+
+
+def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None = None, seed: int = 0,
+                 docs: bool = False):
     """Validation batches of non-overlapping windows [B, T] -> (inputs, targets).
 
     All of the split in order (`max_batches` None), or `max_batches` batches of windows spread evenly over
     the whole split, so a capped evaluation is not just the split's first document(s). Datasets without a
-    flat `tokens` array fall back to `iter_eval_batches` or to get_batch(i, ...) for i < max_batches.
+    flat `tokens` array fall back to `iter_eval_batches` or to get_batch(i, ...) for i < max_batches. `docs`
+    (a dataset with `has_documents`): also each input token's document id, as a third element.
     """
     tokens = getattr(dataset, "tokens", None)
     if tokens is not None and hasattr(tokens, "__len__") and len(tokens) > seq_len:
@@ -87,15 +95,17 @@ def eval_batches(dataset, batch_size: int, seq_len: int, max_batches: int | None
         for i in range(0, len(picks), batch_size):
             w = np.stack([np.asarray(tokens[s * seq_len:s * seq_len + seq_len + 1], dtype=np.int64)
                           for s in picks[i:i + batch_size]])
-            yield torch.from_numpy(w[:, :-1].copy()), torch.from_numpy(w[:, 1:].copy())
+            x, y = torch.from_numpy(w[:, :-1].copy()), torch.from_numpy(w[:, 1:].copy())
+            yield (x, y, dataset.window_doc_ids(picks[i:i + batch_size] * seq_len, seq_len)) if docs else (x, y)
         return
     if hasattr(dataset, "iter_eval_batches"):
-        yield from dataset.iter_eval_batches(batch_size, seq_len, max_batches)
+        yield from dataset.iter_eval_batches(batch_size, seq_len, max_batches, **({"docs": True} if docs else {}))
         return
     if max_batches is None:
         raise ValueError("eval_batches: this dataset has no tokens array or iter_eval_batches; give max_batches")
     for i in range(max_batches):
-        yield split_batch(dataset.get_batch(i, batch_size, seq_len, seed))
+        batch = dataset.get_batch(i, batch_size, seq_len, seed, **({"docs": True} if docs else {}))
+        yield batch if docs else split_batch(batch)
 
 
 def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | None = None) -> int | None:
@@ -111,18 +121,21 @@ def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: int, seq_len: int, seed: int = 0,
-             device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None) -> float:
+             device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None,
+             doc_mask: bool = False) -> float:
     """Mean cross-entropy (nats / token) over `batches` validation batches spread evenly over the split (None:
-    all of them; see `eval_batches`). `progress(1)` is called after each batch."""
+    all of them; see `eval_batches`). `progress(1)` is called after each batch. `doc_mask` (a dataset with
+    `has_documents`): each packed document is read on its own, as a prompt is served."""
+    docs = doc_mask and has_documents(dataset)
     device = torch.device(device)
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
     try:
-        for x, y in eval_batches(dataset, batch_size, seq_len, batches, seed):
-            x, y = x.to(device), y.to(device)
+        for batch in eval_batches(dataset, batch_size, seq_len, batches, seed, docs=docs):
+            x, y = batch[0].to(device), batch[1].to(device)
             with autocast(device):
-                logits = model(x)
+                logits = model(x) if not docs else model(x, doc_ids=batch[2].to(device))
             total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                            reduction="sum"))
             n += y.numel()

@@ -40,6 +40,9 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: checkpoint only at the end
     keep_last: int = 3
     seed: int = 0
+    # keep each packed document to itself: KDA's state, the short convolution and MLA restart at every <|eos|>
+    # (a dataset that does not know its document starts has no boundaries to mask)
+    doc_mask: bool = True
     activation_checkpointing: bool = False
     # torch.compile backend: False/"" = eager, True = "inductor"; "aot_eager" traces without code generation
     # (what the CPU test uses). On CPU inductor was not measured to help (docs/training.md).
@@ -97,7 +100,7 @@ class TrainConfig:
 
 
 # Fields that must match for a resumed run to see the same batches and updates.
-RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer")
+RESUME_FIELDS = ("batch_size", "seq_len", "accum", "seed", "optimizer", "doc_mask")
 DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume must match
 # ... and the same learning-rate schedule and update rule (read from the checkpoint's recorded train config;
 # `steps` may grow: the schedule is re-planned for the new total, as documented)

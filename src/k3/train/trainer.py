@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from k3.config import K3Config
 from k3.train import checkpoint as ckpt
-from k3.train.batches import _n_tokens, check_dataset, evaluate, split_batch
+from k3.train.batches import _n_tokens, check_dataset, evaluate, has_documents, split_batch
 from k3.train.config import TrainConfig
 from k3.train.device import autocast, resolve_device
 from k3.train.loop import LocalContext, Loop, TrainResult
@@ -63,6 +63,8 @@ class Trainer(Loop):
                          data_info=data_info)
         self.config = config
         self.train_data, self.val_data = train_data, val_data
+        # document masking needs a dataset that knows where its documents start (k3's packed datasets do)
+        self.doc_mask = tc.doc_mask and has_documents(train_data)
         self.bytes_per_token = bytes_per_token
         self.device = ctx.device
         self.qk_clip = QKClip(model, tc.qk_clip_tau) if tc.optimizer == "muon" and tc.qk_clip_tau > 0 else None
@@ -82,11 +84,16 @@ class Trainer(Loop):
         next-token cross-entropy. A subclass may replace it (e.g. distillation from a teacher on x)."""
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
-    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of micro-batch `micro` of `step`."""
+    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of micro-batch `micro` of `step`: inputs, targets, and document ids with doc_mask."""
         tc, rows = self.tc, self.ctx.rows(self.tc.batch_size)
-        x, y = split_batch(self.train_data.get_batch(step * tc.accum + micro, tc.batch_size, tc.seq_len, tc.seed))
-        return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True)
+        index = step * tc.accum + micro
+        if self.doc_mask:
+            x, y, d = self.train_data.get_batch(index, tc.batch_size, tc.seq_len, tc.seed, docs=True)
+            d = d[rows].to(self.device, non_blocking=True)
+        else:
+            (x, y), d = split_batch(self.train_data.get_batch(index, tc.batch_size, tc.seq_len, tc.seed)), None
+        return x[rows].to(self.device, non_blocking=True), y[rows].to(self.device, non_blocking=True), d
 
     def step_fn(self, step: int) -> dict:
         """Forward and backward over the step's `accum` micro-batches; the mean loss over the global batch."""
@@ -98,10 +105,10 @@ class Trainer(Loop):
         loss_sum, aux_sum, t_fwd, t_bwd = 0.0, 0.0, 0.0, 0.0
         self._loads = None
         for micro in range(tc.accum):
-            x, y = self.micro_batch(step, micro)
+            x, y, d = self.micro_batch(step, micro)
             t1 = time.perf_counter()
             with record_function("k3::forward"), autocast(self.device):
-                logits = self.forward(x)
+                logits = self.forward(x) if d is None else self.forward(x, doc_ids=d)
                 loss = self.loss_fn(logits, x, y)
                 aux = model.aux_loss()
                 total = loss + aux
@@ -161,7 +168,7 @@ class Trainer(Loop):
             return None
         t0 = time.perf_counter()
         loss = evaluate(self.model, self.val_data, self.tc.eval_batches, self.tc.batch_size, self.tc.seq_len,
-                        seed=self.tc.seed, device=self.device)
+                        seed=self.tc.seed, device=self.device, doc_mask=self.doc_mask)
         self._eval_s = time.perf_counter() - t0
         rec = {"kind": "val", "step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         if self.bytes_per_token:
