@@ -334,19 +334,10 @@ class Loop:
         `interrupted` set, `where` and `advice` saying what was saved and how to go on; the caller must then stop.
         A signal during the last step, its evaluation or its save also sets `interrupted`: that run is complete and
         saved. A second signal stops at once: KeyboardInterrupt, its message saying what the last checkpoint is.
-        Without it, Ctrl-C raises KeyboardInterrupt as usual and SIGTERM keeps its default."""
+        Without it, Ctrl-C raises KeyboardInterrupt (its message naming the last checkpoint) and SIGTERM keeps its
+        default."""
         tc, ctx = self.tc, self.ctx
-        if resume:
-            self.resume(None if resume is True else resume)
-        elif self.ckpt_dir is not None and ctx.holds_any(self.ckpt_dir):
-            if not self.overwrite:
-                raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
-                                 "--overwrite to start over, or another --out")
-            # start over: every rank has looked before rank 0 deletes, so none can miss the checkpoint
-            ctx.barrier()
-            if ctx.rank == 0:
-                shutil.rmtree(self.ckpt_dir)
-            ctx.barrier()
+        self._start(resume)
         writer = MetricsWriter(self.out_dir / "metrics.jsonl", resume_step=self.step if resume else None) \
             if self.out_dir is not None and ctx.rank == 0 else None
         result = TrainResult(steps_done=self.step)
@@ -453,6 +444,21 @@ class Loop:
             saved_at = ctx.latest(self.ckpt_dir)
         result.checkpoint = str(saved_at) if saved_at is not None else None
         return result
+
+    def _start(self, resume: bool | str) -> None:
+        """Resume, or start over where --overwrite allows it (never silently over an earlier run)."""
+        ctx = self.ctx
+        if resume:
+            self.resume(None if resume is True else resume)
+        elif self.ckpt_dir is not None and ctx.holds_any(self.ckpt_dir):
+            if not self.overwrite:
+                raise ValueError(f"{self.ckpt_dir} already holds a checkpoint; pass --resume to continue it, "
+                                 "--overwrite to start over, or another --out")
+            # every rank has looked before rank 0 deletes, so none can miss the checkpoint
+            ctx.barrier()
+            if ctx.rank == 0:
+                shutil.rmtree(self.ckpt_dir)
+            ctx.barrier()
 
     def _fit_to_budget(self, budget: float, start: float, t_first: float, recent: list[float], cap: int) -> None:
         """Re-plan the total from the measured time per step, so the WSD decay ends as the time budget does."""
