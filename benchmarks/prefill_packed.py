@@ -9,7 +9,10 @@ them), each strategy filling a cache per prompt as the engine does:
   padded        one forward of a [8, 2048] batch, every prompt right-padded to the longest (the padding's work
                 is wasted; its outputs are not used)
 The three run in turn within each repeat (host drift hits all alike); the median time per strategy gives
-prompt tokens per second and the speedups over one-at-a-time. Before timing, the packed prefill's last-token
+prompt tokens per second and the speedups over one-at-a-time. What packing can save at most: each prompt's
+prefill is also timed alone, a least-squares line t = a + b * n through those times gives the fixed cost a
+of one forward call (per-layer Python, allocation) and `packing_bound` = one_at_a_time / (one_at_a_time -
+(k - 1) a), the speedup if packing removed every call's fixed cost but one and changed nothing else. Before timing, the packed prefill's last-token
 logits are checked against one-at-a-time in fp64 (equal within 1e-9): in fp32 the two differ in rounding
 (1e-7 relative per layer), which can flip a router's near-tie and send one token to another expert, a
 difference of routing, not of the packing. Writes runs/bench/prefill_packed.json.
@@ -73,12 +76,23 @@ def main(argv=None) -> dict:
         if err > 1e-9:
             raise SystemExit(f"packed prefill differs from one-at-a-time by {err} in fp64")
         times = {k: [] for k in fns}
+        alone = {n: [] for n in lengths}
         for _ in range(1 + args.repeats):  # the first round warms up
             for k, fn in fns.items():
                 t0 = time.perf_counter()
                 fn()
                 times[k].append(time.perf_counter() - t0)
+            for p in prompts:
+                t0 = time.perf_counter()
+                model(p, model.new_cache())
+                alone[p.shape[1]].append(time.perf_counter() - t0)
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    per_prompt = {n: statistics.median(v[1:]) for n, v in alone.items()}
+    n_mean = statistics.fmean(lengths)
+    t_mean = statistics.fmean(per_prompt.values())
+    slope = sum((n - n_mean) * (t - t_mean) for n, t in per_prompt.items()) / sum((n - n_mean) ** 2 for n in lengths)
+    fixed = t_mean - slope * n_mean
+    bound = med["one_at_a_time"] / (med["one_at_a_time"] - (len(lengths) - 1) * max(fixed, 0.0))
     tokens = sum(lengths)
     result = {
         "benchmark": "prefill_packed", "preset": config.name, "lengths": lengths, "prompt_tokens": tokens,
@@ -87,6 +101,8 @@ def main(argv=None) -> dict:
         "tokens_per_s": {k: round(tokens / v, 1) for k, v in med.items()},
         "packed_over_one_at_a_time": med["one_at_a_time"] / med["packed"],
         "packed_over_padded": med["padded"] / med["packed"],
+        "per_prompt_s": {str(n): round(t, 4) for n, t in per_prompt.items()},
+        "fixed_cost_per_call_s": round(fixed, 4), "seconds_per_token": slope, "packing_bound": bound,
         "machine": machine(threads=args.threads),
     }
     path = write_result(bench_out("prefill_packed", args.quick), result)
@@ -96,7 +112,8 @@ def main(argv=None) -> dict:
         for k, v in med.items():
             print(f"{k:14s} {v:.3f} s, {tokens / v:.0f} prompt tokens/s")
         print(f"packed / one-at-a-time {result['packed_over_one_at_a_time']:.2f}x, packed / padded "
-              f"{result['packed_over_padded']:.2f}x; wrote {path}")
+              f"{result['packed_over_padded']:.2f}x; a forward call's fixed cost {fixed * 1e3:.1f} ms, so packing "
+              f"{len(lengths)} prompts can give at most {bound:.2f}x; wrote {path}")
     return result
 
 
