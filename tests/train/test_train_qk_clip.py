@@ -64,6 +64,9 @@ def test_qk_clip_rescales_exactly_the_head_rows_and_caps_at_tau(q_lora):
     torch.testing.assert_close(after[[1, 3]], s[[1, 3]], rtol=1e-5, atol=1e-5)
 
 
-def test_qk_clip_rejects_bad_tau():
-    with pytest.raises(ValueError, match="tau"):
-        QKClip(nn.Linear(2, 2), tau=0)
+def test_qk_clip_tau_is_checked_by_the_train_config():
+    # the loop's config is where a tau comes in (0 disables QK-Clip, so no QKClip is built with it)
+    from k3.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="qk_clip_tau"):
+        TrainConfig(optimizer="muon", qk_clip_tau=-1.0).validate()

@@ -41,8 +41,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     The quintic iteration pushes singular values into roughly [0.7, 1.2] rather than exactly 1, which is
     what Muon needs and is cheaper than converging. Runs in bf16 on CUDA, fp32 elsewhere.
     """
-    if G.dim() < 2:
-        raise ValueError(f"newton_schulz needs a matrix [..., m, n], got shape {tuple(G.shape)}")
+    assert G.dim() >= 2, f"newton_schulz needs a matrix [..., m, n], got shape {tuple(G.shape)}"
     a, b, c = NS_COEFFS
     X = G.to(torch.bfloat16 if G.is_cuda else torch.float32)
     tall = G.size(-2) > G.size(-1)
@@ -222,8 +221,7 @@ class QKClip:
     """
 
     def __init__(self, model: nn.Module, tau: float = 100.0):
-        if tau <= 0:
-            raise ValueError(f"QK-Clip tau = {tau} must be positive (Kimi K2 uses 100)")
+        assert tau > 0, f"QK-Clip tau = {tau} must be positive (TrainConfig: qk_clip_tau = 0 disables it)"
         self.tau = tau
         self.layers = mla_layers(model)
         for m in self.layers:

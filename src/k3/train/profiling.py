@@ -33,8 +33,7 @@ class ComponentTimer:
     def __init__(self, model: torch.nn.Module, sync: bool = False):
         from k3.config import KDA
 
-        if getattr(model, "_k3_timer", None) is not None:
-            raise ValueError("this model already has a ComponentTimer")
+        assert getattr(model, "_k3_timer", None) is None, "this model already has a ComponentTimer"
         self.sync = sync and torch.cuda.is_available()
         self.enabled = False
         self.reset()
