@@ -117,10 +117,14 @@ def test_prune_to_stage_keeps_whole_model_names():
         assert [b.layer_idx for b in m.layers] == list(held)
     assert names[0] | names[1] == full
     assert {n.split(".")[0] for n in names[0] ^ names[1]} == {"embed", "layers", "norm", "head"}
+    # what pipeline stages cannot split is refused before a model is pruned (the launcher, every rank's Trainer)
+    from k3.parallel.mesh import ParallelDims
+    from k3.parallel.train import check_parallel_settings
+
     with pytest.raises(ValueError, match="tie_embeddings"):
-        prune_to_stage(K3Model(cfg.replace(tie_embeddings=True)), 0, 2)
+        check_parallel_settings(cfg.replace(tie_embeddings=True), TrainConfig(), ParallelDims(2, pp=2))
     with pytest.raises(ValueError, match="cannot split 4 layers"):
-        prune_to_stage(K3Model(cfg), 0, 5)
+        check_parallel_settings(cfg, TrainConfig(), ParallelDims(5, pp=5))
 
 
 def test_two_stages_match_single_process_then_resume_on_stages_times_data_parallel(reference, tmp_path):

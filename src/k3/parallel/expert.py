@@ -35,10 +35,9 @@ class ExpertParallel(nn.Module):
     def __init__(self, experts: RoutedExperts, placement: Placement, group=None, edp_group=None):
         super().__init__()
         R = comm.world_size(group)
-        if placement.n_ranks != R:
-            raise ValueError(f"placement is for {placement.n_ranks} EP ranks but the EP group has {R}")
-        if placement.n_experts != experts.n_experts:
-            raise ValueError(f"placement is for {placement.n_experts} experts but the layer has {experts.n_experts}")
+        assert placement.n_ranks == R, f"placement is for {placement.n_ranks} EP ranks but the EP group has {R}"
+        assert placement.n_experts == experts.n_experts, \
+            f"placement is for {placement.n_experts} experts but the layer has {experts.n_experts}"
         self.n_experts, self.dim, self.ffn = experts.n_experts, experts.dim, experts.ffn
         # edp_group None: this shard has no copies on other ranks (group None would mean the whole world)
         self.placement, self.group, self.edp_group = placement, group, edp_group
@@ -67,9 +66,9 @@ class ExpertParallel(nn.Module):
                 f"dim={self.dim}, ffn={self.ffn}")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[-1] != self.dim or experts.shape != weights.shape or experts.shape[0] != x.shape[0]:
-            raise ValueError(f"ExpertParallel expects x [N, {self.dim}] and weights, experts [N, k]; got "
-                             f"{tuple(x.shape)}, {tuple(weights.shape)}, {tuple(experts.shape)}")
+        # the MoE layer's call, after K3Model.forward checked its input
+        assert x.dim() == 2 and x.shape[-1] == self.dim and experts.shape == weights.shape \
+            and experts.shape[0] == x.shape[0]
         R, S = self.placement.n_ranks, self.placement.slots_per_rank
         N, k = experts.shape
         slot = self.placement.route(experts.reshape(-1), self.ep_rank)  # [N*k] global slot
@@ -112,8 +111,7 @@ def apply_expert_parallel(model: nn.Module, group=None, edp_group=None,
     placements = placements or {}
     out = []
     for i, moe in enumerate(moes):
-        if isinstance(moe.experts, ExpertParallel):
-            raise ValueError("expert parallelism is already applied to this model")
+        assert not isinstance(moe.experts, ExpertParallel), "expert parallelism is already applied to this model"
         p = placements.get(i) or contiguous_placement(moe.experts.n_experts, R)
         moe.experts = ExpertParallel(moe.experts, p, group, edp_group)
         out.append(moe.experts)

@@ -91,12 +91,10 @@ class _Elsewhere(nn.Module):
 
 def prune_to_stage(model, stage: int, n_stages: int) -> range:
     """Keep only what stage `stage` of `n_stages` runs (in place): its layers, the embedding on the first
-    stage, the final norm and head on the last, the AttnRes parameters on all. Returns the layer range."""
-    check_tied_stages(model.config, n_stages)
-    if not 0 <= stage < n_stages:
-        raise ValueError(f"stage {stage} is outside 0 .. {n_stages - 1}")
-    if isinstance(model.layers, StageLayers):
-        raise ValueError("the model is already pruned to a pipeline stage")
+    stage, the final norm and head on the last, the AttnRes parameters on all. Returns the layer range.
+    The settings are checked before (`k3.parallel.train.check_parallel_settings`: --pp, tied embeddings)."""
+    assert 0 <= stage < n_stages, f"stage {stage} is outside 0 .. {n_stages - 1}"
+    assert not isinstance(model.layers, StageLayers), "the model is already pruned to a pipeline stage"
     layers = stage_layers(model.config.n_layers, n_stages)[stage]
     model.layers = StageLayers({i: model.layers[i] for i in layers})
     if stage > 0:
@@ -119,8 +117,7 @@ class PipelineStage:
     [n, B, T, D] and their header), so that module hooks (FSDP2) run around it."""
 
     def __init__(self, model, stage: int, n_stages: int, ranks: list[int] | None = None, group=None):
-        if not 0 <= stage < n_stages:
-            raise ValueError(f"stage {stage} is outside 0 .. {n_stages - 1}")
+        assert 0 <= stage < n_stages, f"stage {stage} is outside 0 .. {n_stages - 1}"
         self.model, self.stage, self.n_stages = model, stage, n_stages
         self.layers = stage_layers(model.config.n_layers, n_stages)[stage]
         self.ranks = list(ranks) if ranks is not None else list(range(n_stages))
@@ -165,8 +162,7 @@ class PipelineStage:
         """First stage: input_ids [B, T]. Returns logits [B, T, V] on the last stage, else None. `doc_ids` [B, T]:
         the documents of a packed batch (see K3Model.forward), given to every stage."""
         if self.first:
-            if input_ids is None:
-                raise ValueError("the first stage needs input_ids")
+            assert input_ids is not None, "the first stage needs input_ids"
             out = self.model(input_ids, doc_ids=doc_ids)
         else:
             out = self.model(*self._receive(), doc_ids=doc_ids)
@@ -207,8 +203,7 @@ class PipelineStage:
             outputs.append(aux * aux_scale)
             grads.append(None)
         if self.last:
-            if loss is None:
-                raise ValueError("the last stage's backward needs the micro-batch loss")
+            assert loss is not None, "the last stage's backward needs the micro-batch loss"
             outputs.append(loss)
             grads.append(None)
         else:

@@ -54,8 +54,7 @@ def placements_from_loads(loads, ep: int, redundant_per_rank: int) -> dict[int, 
     out = {}
     for i, layer in enumerate(loads):
         E = len(layer)
-        if E % ep and redundant_per_rank == 0:
-            raise ValueError(f"n_experts = {E} is not divisible by ep = {ep}; add redundant slots (--ep-redundant)")
+        assert E % ep == 0 or redundant_per_rank, f"n_experts = {E} is not divisible by ep = {ep}; add redundant slots"
         out[i] = balanced_placement(torch.tensor(layer, dtype=torch.float64), ep, -(-E // ep) + redundant_per_rank)
     return out
 
