@@ -113,5 +113,5 @@ def test_pad_batch_refuses_masks_that_do_not_match():
     import pytest
 
     from k3.rl.demos import pad_batch
-    with pytest.raises(ValueError, match="3 sequences but 2 masks"):
+    with pytest.raises(AssertionError, match="3 sequences but 2 masks"):  # its callers build both from one list
         pad_batch([[1], [2], [3]], [[True], [True]], 0)

@@ -64,19 +64,22 @@ def test_group_advantages():
     assert adv[4:6] == [0.0, 0.0]                               # a tied group teaches nothing
     assert adv[6] == 0.0                                        # a group of one has no baseline but itself
     assert group_advantages([1, 0, 0], [0, 0, 0], scale=False) == pytest.approx([2 / 3, -1 / 3, -1 / 3])
-    with pytest.raises(ValueError, match="group ids"):
+    with pytest.raises(AssertionError, match="group ids"):  # GRPOTrainer pairs every reward with its group
         group_advantages([1, 0], [0])
 
 
-def test_bad_settings_are_errors():
-    logp, old, ref, adv, mask = _inputs()
-    with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, old, adv, mask, beta=0.1)
+def test_bad_settings_are_errors(tiny_rl_model, rl_tokenizer, rl_tasks):
+    # the settings come in through GRPOConfig (the flags of `k3 rl train`) and GRPOTrainer; grpo_loss trusts them
+    from k3.rl.train import GRPOConfig, GRPOTrainer
+
     with pytest.raises(ValueError, match="eps_low"):
-        grpo_loss(logp, old, adv, mask, eps_low=1.5)
+        GRPOConfig(eps_low=1.5).validate()
     with pytest.raises(ValueError, match="agg"):
-        grpo_loss(logp, old, adv, mask, agg="mean")
-    with pytest.raises(ValueError, match="no sampled tokens"):
+        GRPOConfig(agg="mean").validate()
+    with pytest.raises(ValueError, match="beta > 0 needs a reference model"):
+        GRPOTrainer(tiny_rl_model, rl_tokenizer, rl_tasks["train"], GRPOConfig(beta=0.1))
+    logp, old, ref, adv, mask = _inputs()
+    with pytest.raises(AssertionError, match="no sampled tokens"):  # the trainer forwards only episodes with some
         grpo_loss(logp, old, adv, torch.zeros_like(mask))
 
 

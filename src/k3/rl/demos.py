@@ -51,8 +51,7 @@ class DemoPolicy(Policy):
 def collect_demos(tasks: Sequence, seeds: Sequence[int], config: EpisodeConfig, workers: int = 4) -> list[dict]:
     """One demonstration episode per (task, seed) pair, zipped; returns the records that scored 1.
     Episodes wait on their sandboxes, so threads overlap them."""
-    if len(tasks) != len(seeds):
-        raise ValueError(f"collect_demos needs one seed per task ({len(tasks)} tasks, {len(seeds)} seeds)")
+    assert len(tasks) == len(seeds), f"collect_demos needs one seed per task ({len(tasks)} tasks, {len(seeds)} seeds)"
 
     def one(i: int) -> dict:
         return run_episode(tasks[i], DemoPolicy(tasks[i]), seeds[i], config)
@@ -85,16 +84,13 @@ def episode_tokens(transcript: Sequence[dict], tokenizer) -> tuple[list[int], li
 def pad_batch(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad -> (ids [B, T], mask [B, T]); the model is causal, so padding after a sequence changes
     nothing before it."""
-    if not seqs:
-        raise ValueError("pad_batch needs at least one sequence")
-    if len(seqs) != len(masks):
-        raise ValueError(f"pad_batch got {len(seqs)} sequences but {len(masks)} masks")
+    assert seqs, "pad_batch needs at least one sequence"
+    assert len(seqs) == len(masks), f"pad_batch got {len(seqs)} sequences but {len(masks)} masks"
     T = max(map(len, seqs))
     ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for i, (s, m) in enumerate(zip(seqs, masks)):
-        if len(s) != len(m):
-            raise ValueError(f"sequence {i}: {len(s)} ids but {len(m)} mask entries")
+        assert len(s) == len(m), f"sequence {i}: {len(s)} ids but {len(m)} mask entries"
         ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
         mask[i, :len(m)] = torch.tensor(list(m), dtype=torch.bool)
     return ids, mask

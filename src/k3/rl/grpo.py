@@ -32,8 +32,7 @@ AGGREGATIONS = ("token", "sequence")
 
 def group_advantages(rewards: Sequence[float], groups: Sequence, scale: bool = True, eps: float = 1e-6) -> list[float]:
     """One advantage per episode from the rewards of its group (same task, same harness)."""
-    if len(rewards) != len(groups):
-        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    assert len(rewards) == len(groups), f"{len(rewards)} rewards but {len(groups)} group ids"
     members: dict = defaultdict(list)
     for i, g in enumerate(groups):
         members[g].append(i)
@@ -53,12 +52,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _check(eps_low: float, eps_high: float, beta: float, agg: str) -> None:
-    if not (0 < eps_low < 1) or not eps_high > 0:
-        raise ValueError(f"clip range ({eps_low}, {eps_high}) must have 0 < eps_low < 1 and eps_high > 0")
-    if beta < 0:
-        raise ValueError(f"beta = {beta} (the KL coefficient) must be >= 0")
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"agg = {agg!r} must be one of {AGGREGATIONS}")
+    """The settings come from a validated GRPOConfig (the boundary); here only the contract."""
+    assert 0 < eps_low < 1 and eps_high > 0, f"clip range ({eps_low}, {eps_high})"
+    assert beta >= 0 and agg in AGGREGATIONS, (beta, agg)
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
@@ -68,12 +64,10 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     adv: [B]. -> (scalar loss, stats: clip fraction, mean ratio, mean KL, tokens)."""
     eps_high = eps_low if eps_high is None else eps_high
     _check(eps_low, eps_high, beta, agg)
-    if beta > 0 and ref_logp is None:
-        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    assert beta == 0 or ref_logp is not None, "beta > 0 needs ref_logp (the reference model's log-probs)"
     m = mask.to(logp.dtype)
     n = m.sum()
-    if float(n) == 0:
-        raise ValueError("no sampled tokens to train on")
+    assert float(n) > 0, "no sampled tokens to train on"  # GRPOTrainer forwards only episodes with some
     ratio = torch.exp(logp - old_logp)
     a = adv.to(logp.dtype)[:, None]
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
