@@ -65,8 +65,7 @@ def paired(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats: int,
 
     ratio = t_b / t_a per repeat (> 1: a is faster); the order flips every repeat.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    assert repeats >= 1, f"repeats must be >= 1, got {repeats}"  # the scripts' --repeats is a positive_int
     for _ in range(warmup):
         fn_a()
         fn_b()

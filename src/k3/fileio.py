@@ -86,8 +86,7 @@ def temp_prefix(path: Path) -> str:
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file beside `path` for writing; on a clean exit it replaces `path`."""
-    if "w" not in mode:
-        raise ValueError(f"atomic_open writes whole files; mode {mode!r} must contain 'w'")
+    assert "w" in mode, f"atomic_open writes whole files; mode {mode!r} must contain 'w'"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)

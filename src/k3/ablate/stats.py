@@ -28,8 +28,7 @@ def _t_pdf(x: float, df: int) -> float:
 
 def t_cdf(x: float, df: int) -> float:
     """P(T <= x) for Student's t by Simpson integration of the density from 0 (symmetric)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    assert df >= 1, f"degrees of freedom must be >= 1, got {df}"
     if x == 0:
         return 0.5
     a, n = abs(x), 256
