@@ -88,8 +88,7 @@ def mopd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, rollou
               kl: str = "full") -> tuple[torch.Tensor, dict]:
     """Token-mean distillation loss over a rollout. logits [B, T, V] of rollout.ids; position t predicts
     ids[:, t + 1]. -> (loss, {"reverse_kl": exact mean KL per completion token, "kl_per_row": [B]})."""
-    if kl not in KL_KINDS:
-        raise ValueError(f"kl = {kl!r}; choose one of {', '.join(KL_KINDS)}")
+    assert kl in KL_KINDS, f"kl = {kl!r}; MOPDConfig.validate allows {', '.join(KL_KINDS)}"
     s, t = student_logits[:, :-1], teacher_logits[:, :-1].detach()
     cmask = rollout.completion_mask[:, 1:]
     kl_pos = reverse_kl(s, t)  # [B, T-1]
@@ -119,10 +118,7 @@ class TeacherMatrix:
     def __init__(self, teachers: dict[tuple[str, str], torch.nn.Module],
                  sources: dict[tuple[str, str], str] | None = None,
                  identities: dict[tuple[str, str], dict] | None = None):
-        if not teachers:
-            raise ValueError("the teacher matrix is empty")
-        for cell in teachers:
-            parse_cell(cell_name(*cell))
+        assert teachers, "the teacher matrix is empty"
         self.teachers = dict(teachers)
         self.sources = dict(sources or {})
         self.identities = dict(identities or {})  # cell -> {"source", "step", "weights_sha256"} of its checkpoint
@@ -148,8 +144,7 @@ class TeacherMatrix:
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, cells: Sequence[tuple[str, str]]) -> torch.Tensor:
         """Each row's logits under its cell's teacher: ids [B, T] -> [B, T, V] (no graph)."""
-        if len(cells) != ids.shape[0]:
-            raise ValueError(f"{ids.shape[0]} rows but {len(cells)} cells")
+        assert len(cells) == ids.shape[0], f"{ids.shape[0]} rows but {len(cells)} cells"
         out = None
         for m, rows in self._groups(cells):
             lg = m(ids[rows]).float()

@@ -142,8 +142,8 @@ def merge_rollouts(parts: Sequence[tuple[Sequence[int], Rollout]], batch_size: i
     for idx, ro in parts:
         for j, i in enumerate(idx):
             rows[int(i)] = (ro, j)
-    if sorted(rows) != list(range(batch_size)):
-        raise ValueError(f"merge_rollouts: the parts cover rows {sorted(rows)}, not 0..{batch_size - 1} once each")
+    assert sorted(rows) == list(range(batch_size)), \
+        f"merge_rollouts: the parts cover rows {sorted(rows)}, not 0..{batch_size - 1} once each"
     T = max(ro.ids.shape[1] for _, ro in parts)
 
     def pad(t: torch.Tensor, value) -> torch.Tensor:
