@@ -116,7 +116,7 @@ def as_flags(make, flags: dict[str, str]):
     try:
         return make()
     except FieldError as e:
-        raise ValueError(e.named(flags.get(e.field))) from None
+        raise ValueError(e.named(flags.get)) from None
     except ValueError as e:
         msg = str(e)
         for field, flag in flags.items():
@@ -129,21 +129,45 @@ def as_flags(make, flags: dict[str, str]):
 # ---------------------------------------------------------------------- flags from config fields
 class FieldError(ValueError):
     """A config field's bad value, raised by a config's validate(). str() names the field (`group_size = 1: ...`);
-    `named(flag)` is the same message naming the flag that set it (`--group-size 1: ...`), as a command reports it."""
+    `named(flags)` is the same message naming the flag that set it (`--group-size 1: ...`), as a command reports it.
+    `also`: other settings the message names, each written `name = value` in it (`kl = sampled with temperature =
+    0.5`), which a command names by their flags too (`--kl sampled with --temperature 0.5`)."""
 
-    def __init__(self, field: str, rest: str):
+    def __init__(self, field: str, rest: str, also: tuple[str, ...] = ()):
         super().__init__(f"{field} = {rest}")
-        self.field, self.rest = field, rest
+        self.field, self.rest, self.also = field, rest, tuple(also)
 
-    def named(self, flag: str | None) -> str:
-        return f"{flag} {self.rest}" if flag else str(self)
+    def named(self, flags) -> str:
+        """The message with `flags(field)` (a flag, or None where no flag sets that field) for each setting it names."""
+        text = str(self)
+        for field in (self.field, *self.also):
+            flag = flags(field)
+            if flag:
+                text = _setting_as_flag(text, f"{field} = ", f"{flag} ")
+        return text
 
 
-def flag(default=dataclasses.MISSING, help: str | None = None, *, name: str | None = None, **argparse_kw):
+def _setting_as_flag(text: str, setting: str, flag: str) -> str:
+    """`setting` ("kl = ") replaced by `flag` ("--kl ") where it starts a word (not inside "reverse_kl = ")."""
+    out, i = [], 0
+    while (j := text.find(setting, i)) >= 0:
+        starts_word = j == 0 or not (text[j - 1].isalnum() or text[j - 1] in "_-")
+        out.append(text[i:j] + (flag if starts_word else setting))
+        i = j + len(setting)
+    return "".join(out) + text[i:]
+
+
+def flag(default=dataclasses.MISSING, help: str | None = None, *, name: str | None = None, aliases: tuple = (),
+         **argparse_kw):
     """A dataclass field that is also a command-line flag: `--kebab-name` (or `name`), its default the field's,
     its type the annotation's (int, float, str; `X | None` is X; a bool is a switch), `help` and any other
-    argparse keyword (choices, metavar, action, type) as given. `add_flags` adds it, `from_args` reads it back."""
-    return dataclasses.field(default=default, metadata={"flag": {"name": name, "help": help, **argparse_kw}})
+    argparse keyword (choices, metavar, action, type, nargs, const) as given; `aliases`: other spellings a command
+    also takes (one command spelled it so), for a flag that takes a value. `add_flags` adds it, `from_args` reads it
+    back."""
+    meta = {"name": name, "help": help, **argparse_kw}
+    if aliases:
+        meta["aliases"] = tuple(aliases)
+    return dataclasses.field(default=default, metadata={"flag": meta})
 
 
 def _flag_fields(cls, only=None, skip=()):
@@ -164,12 +188,31 @@ def _flag_type(f):
     return {"int": int, "float": float, "str": str, "bool": bool}.get(base)
 
 
-def add_flags(parser, cls, only=None, skip=(), defaults: dict | None = None) -> None:
+# Namespace attribute that `add_flags` fills: field -> the flag that sets it in this command (the spelling typed,
+# for a flag with aliases), so `from_args` reads only the command's config flags and names the one typed.
+_SET_BY = "_config_flags"
+
+
+class _Spelled(argparse._StoreAction):  # a store action still (k3.cli's check of empty values reads those)
+    """argparse's store, also recording which of the flag's spellings was typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, _SET_BY, {**getattr(namespace, _SET_BY, {}), self.dest: option_string})
+
+
+def add_flags(parser, cls, only=None, skip=(), defaults: dict | None = None, helps: dict | None = None) -> None:
     """One flag per field of `cls` made with `flag()` (`only` / `skip`: field names), dest the field's name;
-    `defaults` overrides a field's default for this command."""
+    `defaults` overrides a field's default for this command (entries for other fields are ignored), `helps` its
+    help where the command's default changes what the help says."""
+    defaults, helps = defaults or {}, helps or {}
+    set_by = dict(parser.get_default(_SET_BY) or {})
     for f in _flag_fields(cls, only, skip):
-        kw = {k: v for k, v in f.metadata["flag"].items() if k != "name" and v is not None}
-        default = (defaults or {}).get(f.name, f.default)
+        meta = f.metadata["flag"]
+        kw = {k: v for k, v in meta.items() if k not in ("name", "aliases") and v is not None}
+        if f.name in helps:
+            kw["help"] = helps[f.name]
+        default = defaults.get(f.name, f.default)
         typ = _flag_type(f)
         if typ is bool or kw.get("action") in ("store_true", "store_false"):
             kw.setdefault("action", "store_false" if default else "store_true")
@@ -178,14 +221,26 @@ def add_flags(parser, cls, only=None, skip=(), defaults: dict | None = None) -> 
                 kw["type"] = typ
             if "choices" not in kw:  # `--groups GROUPS`, not the dest's GROUPS_PER_STEP
                 kw.setdefault("metavar", flag_name(cls, f.name).lstrip("-").replace("-", "_").upper())
-        parser.add_argument(flag_name(cls, f.name), dest=f.name, default=default, **kw)
+            if meta.get("aliases"):
+                kw["action"] = _Spelled
+        parser.add_argument(flag_name(cls, f.name), *meta.get("aliases", ()), dest=f.name, default=default, **kw)
+        set_by[f.name] = flag_name(cls, f.name)
+    parser.set_defaults(**{_SET_BY: set_by})
 
 
-def from_args(cls, args, only=None, skip=(), **over):
-    """cls(...) from the parsed flags that `add_flags` added (and `over`), validated; a FieldError becomes the
-    same message naming the flag."""
-    values = {f.name: getattr(args, f.name) for f in _flag_fields(cls, only, skip) if hasattr(args, f.name)}
+def from_args(cls, args, only=None, skip=(), defaults: dict | None = None, **over):
+    """cls(...) from the parsed flags that `add_flags` added (over `defaults`: values of fields the command has no
+    flag for, e.g. post-training's), with `over` on top, validated; a FieldError becomes the same message naming
+    the flags that set the values (a value in `over` the command computed: its field stays named). A namespace made
+    by hand (no `add_flags`) gives every flag field of `cls` it has an attribute for."""
+    set_by = getattr(args, _SET_BY, None)
+    names = {f.name for f in _flag_fields(cls, only, skip)
+             if (f.name in set_by if set_by is not None else hasattr(args, f.name))}
+    values = {k: getattr(args, k) for k in names}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    base = {k: v for k, v in (defaults or {}).items() if k in fields}
     try:
-        return cls(**{**values, **over}).validate()
+        return cls(**{**base, **values, **over}).validate()
     except FieldError as e:
-        raise ValueError(e.named(flag_name(cls, e.field))) from None
+        raise ValueError(e.named(lambda field: None if field not in names or field in over else
+                                 (set_by or {}).get(field) or flag_name(cls, field))) from None
