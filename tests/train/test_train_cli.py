@@ -166,7 +166,7 @@ def test_demo_refuses_directories_that_hold_something_else(tiny_data_dir, tmp_pa
     assert json.loads((tmp_path / "mine" / "data.json").read_text())["request"]["source"].startswith("directory")
     # run flags are checked before any data work
     assert main([*demo, "--data", str(tmp_path / "new"), "--out", str(tmp_path / "d"), "--eval-batches", "0"]) == 2
-    assert "eval_batches = 0" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert "--eval-batches 0 must be" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
 def test_demo_dir_check_treats_a_damaged_data_manifest_as_rebuildable(tmp_path):

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import seed as seed_type
+from k3.cli_checks import add_flags, from_args
 from k3.data.cli import parse_bytes
 from k3.model.cli import add_config_args, config_from_args
 
@@ -82,15 +82,10 @@ class Progress:
 
 
 def _train_config(args, **over):
-    from k3.train.trainer import TrainConfig
+    """The validated TrainConfig of `k3 train`'s flags (single-process and distributed)."""
+    from k3.train.config import TrainConfig
 
-    return TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, accum=args.accum, lr=args.lr,
-        optimizer=args.optimizer, max_minutes=args.max_minutes, eval_every=args.eval_every,
-        eval_batches=args.eval_batches, ckpt_every=args.ckpt_every, keep_last=args.keep_last, seed=args.seed,
-        activation_checkpointing=args.activation_checkpointing, compile=args.compile, device=args.device,
-        warmup_steps=args.warmup_steps, **over,
-    ).validate()
+    return from_args(TrainConfig, args, **over)
 
 
 def _data_info(files) -> dict:
@@ -238,23 +233,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from k3.fileio import atomic_write_text
     from k3.train.metrics import bits_per_byte, unigram_loss
     from k3.train.plots import plot_all
-    from k3.train.trainer import TrainConfig, Trainer, _check_writable
+    from k3.train.config import TrainConfig
+    from k3.train.trainer import Trainer, _check_writable
     from k3.train.batches import eval_batches
 
     t_start = time.perf_counter()
     threads = set_threads(args.threads, auto=True)
     if not args.minutes > 0:
         raise ValueError(f"--minutes = {args.minutes} must be positive")
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps {args.max_steps} must be a positive integer")
     check_sampling(0.8, 0.95, args.sample_tokens, "--sample-tokens")  # checked now, not after training
     out = Path(args.out)
     config = config_from_args(args)
     if args.sample_tokens >= config.max_context:
         raise ValueError(f"--sample-tokens {args.sample_tokens} leaves no room for a prompt in max_context = "
                          f"{config.max_context}; give fewer")
-    tc = TrainConfig(steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                     optimizer=args.optimizer, max_minutes=args.minutes, fit_steps_to_budget=True,
-                     warmup_steps=args.warmup_steps, eval_every=0, eval_batches=args.eval_batches,
-                     eval_at_start=True, ckpt_every=args.ckpt_every, keep_last=2, seed=args.seed).validate()
+    tc = from_args(TrainConfig, args, defaults=dict(eval_every=0, eval_at_start=True, keep_last=2),
+                   steps=args.max_steps, max_minutes=args.minutes, fit_steps_to_budget=True)
     _check_demo_dirs(Path(args.data), out)
     _check_writable(out)
     atomic_write_text(out / DEMO_MARK, "written by k3 demo, which replaces this directory's run when it starts\n")
@@ -364,22 +360,17 @@ def _check_demo_dirs(data: Path, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------- registration
-def _add_run_args(p: argparse.ArgumentParser, steps: int | None, batch: int, seq: int, lr: float,
-                  warmup: str = "5%% of --steps", eval_batches: int = 8) -> None:
-    if steps is not None:
-        p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
-    p.add_argument("--batch-size", type=int, default=batch, help=f"sequences per micro-batch (default {batch})")
-    p.add_argument("--seq-len", type=int, default=seq, help=f"tokens per sequence (default {seq})")
-    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
-                   help="adamw, or muon = MuonClip (Muon on matrices + AdamW on the rest + QK-Clip)")
-    p.add_argument("--seed", type=seed_type, default=0, help="seed for init and the data order (default 0)")
-    p.add_argument("--warmup-steps", type=int, default=None, help=f"LR warmup steps (default {warmup})")
-    p.add_argument("--eval-batches", type=int, default=eval_batches,
-                   help=f"validation batches per evaluation (default {eval_batches})")
+# TrainConfig's flags each command takes (k3.cli_checks.flag: one name and help per setting)
+TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "accum", "lr", "optimizer", "warmup_steps", "max_minutes",
+               "eval_every", "eval_batches", "ckpt_every", "keep_last", "seed", "doc_mask", "activation_checkpointing",
+               "compile", "device")
+DEMO_FLAGS = ("batch_size", "seq_len", "lr", "optimizer", "warmup_steps", "eval_batches", "ckpt_every", "seed",
+              "doc_mask")
+
+
+def _add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads (default: torch's choice; the demo uses the cores the load average leaves free)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (default 0: at the end)")
 
 
 def register(sub) -> None:
@@ -389,17 +380,13 @@ def register(sub) -> None:
     add_config_args(p, default="mini")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"directory written by `k3 tokenize` (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
-    _add_run_args(p, steps=1000, batch=8, seq=256, lr=3e-3)
-    p.add_argument("--accum", type=int, default=1, help="gradient accumulation micro-batches per step (default 1)")
-    p.add_argument("--max-minutes", type=float, default=None, help="time budget: stop cleanly and save")
+    from k3.train.config import TrainConfig
+
+    add_flags(p, TrainConfig, only=TRAIN_FLAGS, defaults={"steps": 1000, "seq_len": 256, "eval_every": 100},
+              helps={"warmup_steps": "LR warmup steps (default 5%% of --steps)"})
+    _add_threads(p)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint's latest step")
     p.add_argument("--overwrite", action="store_true", help="start over even if OUT already has a checkpoint")
-    p.add_argument("--eval-every", type=int, default=100, help="evaluate every N steps (0: at the end only)")
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute mixers in backward")
-    p.add_argument("--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
-                   help="torch.compile the model (default backend inductor; off unless given)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--qat", nargs="?", const="", default=None, metavar="KEY=FMT,...",
                    help="quantization-aware training: routed-expert weights MXFP4 and their input activations MXFP8; "
                         "optional overrides, e.g. --qat linears=mxfp4 or --qat activations=none "
@@ -415,9 +402,10 @@ def register(sub) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget for the whole demo (default 10)")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"where the tokenized data lives (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    _add_run_args(p, steps=None, batch=4, seq=128, lr=3e-3, warmup="10", eval_batches=16)
+    add_flags(p, TrainConfig, only=DEMO_FLAGS, defaults={"batch_size": 4, "warmup_steps": 10, "eval_batches": 16})
+    _add_threads(p)
     p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
     p.add_argument("--sample-tokens", type=int, default=80, help="tokens per sample in samples.txt")
     p.add_argument("--max-bytes", type=parse_bytes, default=None,
                    help="cap on corpus bytes per split, e.g. 5MB (default: all)")
-    p.set_defaults(func=cmd_demo, warmup_steps=10)
+    p.set_defaults(func=cmd_demo)

@@ -7,47 +7,59 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.cli_checks import FieldError, flag, seed as seed_type
 from k3.train import checkpoint as ckpt
 from k3.train.schedule import WSDSchedule
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    batch_size: int = 8
-    seq_len: int = 128
-    accum: int = 1
-    lr: float = 3e-3
-    optimizer: str = "adamw"  # adamw | muon (MuonClip: Muon + QK-Clip)
+    """The loop's settings. Those made with `flag()` are also the flags of the commands that train (`k3 train`,
+    `k3 demo`, `k3 distill`, `k3 rl`), each with this name and help; a command picks its own and their defaults."""
+
+    steps: int = flag(200, "optimizer steps (default %(default)s)")
+    batch_size: int = flag(8, "sequences per micro-batch (default %(default)s)")
+    seq_len: int = flag(128, "tokens per sequence (default %(default)s)")
+    accum: int = flag(1, "gradient accumulation micro-batches per step (default %(default)s)")
+    lr: float = flag(3e-3, "peak learning rate (default %(default)s)")
+    optimizer: str = flag("adamw", "adamw, or muon = MuonClip (Muon on matrices + AdamW on the rest + QK-Clip)",
+                          choices=("adamw", "muon"))
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = 0.95  # Muon
     warmup_frac: float = 0.05
-    warmup_steps: int | None = None  # overrides warmup_frac
-    decay_frac: float = 0.2
+    # overrides warmup_frac; `k3 rl` spelled it --warmup
+    warmup_steps: int | None = flag(None, "LR warmup steps (default %(default)s)", aliases=("--warmup",))
+    decay_frac: float = flag(0.2, "fraction of steps in the final LR decay (default %(default)s)")
     min_lr_ratio: float = 0.1
     schedule_shape: str = "linear"
-    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # the norm is logged also when it is not clipped
+    grad_clip: float = flag(1.0, "gradient-norm clipping threshold (default %(default)s; 0: no clipping)")
     qk_clip_tau: float = 100.0  # used with optimizer = muon; 0 disables
-    max_minutes: float | None = None  # stop when the next step plus a final eval and save would exceed it
+    # stop when the next step plus a final eval and save would exceed it
+    max_minutes: float | None = flag(None, "time budget: stop cleanly and save")
     # With max_minutes: treat `steps` as a cap and re-plan the total from the measured time per step (during
     # the decay only shortening it), so the WSD decay ends as the budget does (the demo).
     fit_steps_to_budget: bool = False
-    token_budget: int | None = None  # also stop once this many tokens were trained on (post-training)
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_batches: int = 8
+    # also stop once this many tokens were trained on (post-training)
+    token_budget: int | None = flag(None, "stop after this many tokens trained on")
+    eval_every: int = flag(0, "evaluate every N steps (default %(default)s; 0: at the end only)")
+    eval_batches: int = flag(8, "validation batches per evaluation (default %(default)s)")
     eval_at_start: bool = False  # also evaluate before the first step (a fresh run's baseline)
-    ckpt_every: int = 0  # 0: checkpoint only at the end
-    keep_last: int = 3
-    seed: int = 0
+    ckpt_every: int = flag(0, "checkpoint every N steps (default %(default)s; 0: at the end only)")
+    keep_last: int = flag(3, "checkpoints to keep (default %(default)s)")
+    seed: int = flag(0, "seed for init and the data order (default %(default)s)", type=seed_type)
     # keep each packed document to itself: KDA's state, the short convolution and MLA restart at every <|eos|>
     # (a dataset that does not know its document starts has no boundaries to mask)
-    doc_mask: bool = True
-    activation_checkpointing: bool = False
+    doc_mask: bool = flag(True, "let KDA state, convolutions and attention cross document boundaries (<|eos|>) "
+                          "inside a training window, as before; default: each document is kept to itself",
+                          name="--no-doc-mask")
+    activation_checkpointing: bool = flag(False, "recompute mixers in backward")
     # torch.compile backend: False/"" = eager, True = "inductor"; "aot_eager" traces without code generation
     # (what the CPU test uses). On CPU inductor was not measured to help (docs/training.md).
-    compile: bool | str = False
-    device: str = "auto"  # auto | cpu | cuda
+    compile: bool | str = flag(False, "torch.compile the model (default backend inductor; off unless given)",
+                               nargs="?", const="inductor", metavar="BACKEND")
+    device: str = flag("auto", choices=("auto", "cpu", "cuda"))
     record_attnres: bool = True
     measure_mfu: bool = True
 
@@ -55,31 +67,33 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "accum", "eval_batches", "keep_last"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} = {v!r} must be a positive integer")
+                raise FieldError(name, f"{v!r} must be a positive integer")
         if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
-            raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an integer >= 0")
+            raise FieldError("warmup_steps", f"{self.warmup_steps!r} must be an integer >= 0")
         for name in ("eval_every", "ckpt_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} = {v!r} must be an integer >= 0 (0 = only at the end)")
+                raise FieldError(name, f"{v!r} must be an integer >= 0 (0 = only at the end)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr = {self.lr!r} must be a positive number")
+            raise FieldError("lr", f"{self.lr!r} must be a positive number")
         if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer = {self.optimizer!r}; choose adamw or muon")
+            raise FieldError("optimizer", f"{self.optimizer!r}; choose adamw or muon")
         if not 0 <= self.decay_frac <= 1:
-            raise ValueError(f"decay_frac = {self.decay_frac} must be a fraction of the steps, in [0, 1]")
+            raise FieldError("decay_frac", f"{self.decay_frac} must be a fraction of the steps, in [0, 1]")
         if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"token_budget = {self.token_budget} must be a positive number of tokens")
+            raise FieldError("token_budget", f"{self.token_budget} must be a positive number of tokens")
         if self.max_minutes is not None and not self.max_minutes > 0:
-            raise ValueError(f"max_minutes = {self.max_minutes!r} must be positive")
-        if not (self.grad_clip >= 0 and self.qk_clip_tau >= 0):  # NaN too
-            raise ValueError("grad_clip and qk_clip_tau must be >= 0 (0 disables)")
+            raise FieldError("max_minutes", f"{self.max_minutes!r} must be positive")
+        if not self.grad_clip >= 0:  # NaN too; inf, like 0, does not clip
+            raise FieldError("grad_clip", f"{self.grad_clip} must be a number >= 0 (0: no clipping)")
+        if not self.qk_clip_tau >= 0:
+            raise FieldError("qk_clip_tau", f"{self.qk_clip_tau} must be a number >= 0 (0: no QK-Clip)")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device = {self.device!r}; choose auto, cpu or cuda")
+            raise FieldError("device", f"{self.device!r}; choose auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device = cuda but CUDA is not available")
+            raise FieldError("device", "cuda but CUDA is not available")
         if self.compile not in (False, True, "") and self.compile not in _compile_backends():
-            raise ValueError(f"compile = {self.compile!r} is not a torch.compile backend; "
+            raise FieldError("compile", f"{self.compile!r} is not a torch.compile backend; "
                              f"choose one of {sorted(_compile_backends())}")
         if self.fit_steps_to_budget and self.max_minutes is None:
             raise ValueError("fit_steps_to_budget needs max_minutes")
