@@ -10,13 +10,11 @@ An experiment lives in one root directory:
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
-from k3.cli_checks import (MATPLOTLIB_PLOTS, add_flags, as_flags, at_least, from_args, output_file, output_png,
-                           seed as seed_type)
+from k3.cli_checks import MATPLOTLIB_PLOTS, add_flags, at_least, from_args, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
 
 DEFAULT_ROOT = "runs/rl/exp"
@@ -49,18 +47,11 @@ _JSON_HELP = "print the result as indented JSON (without it: the same JSON on on
 
 # ---------------------------------------------------------------------------------------------- flag checks
 # run before any work (collecting demonstrations, building the tokenizer, loading models), each naming its flag
-def _check_run_flags(args) -> None:
-    """The flags `_common` adds (warm start and GRPO)."""
+def _check_run_flags(args):
+    """The flags `_common` adds (warm start and GRPO); returns the loop's validated config."""
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run and --overwrite starts it over; give one")
-    at_least(args, 1, "--steps", "--keep-last")
-    at_least(args, 0, "--warmup", "--ckpt-every")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise ValueError(f"--lr {args.lr} must be a positive number")
-    if not 0 <= args.decay_frac <= 1:
-        raise ValueError(f"--decay-frac {args.decay_frac} must be a fraction of the steps, in [0, 1]")
-    if not args.grad_clip >= 0:  # NaN refused; inf, like 0, does not clip
-        raise ValueError(f"--grad-clip {args.grad_clip} must be a number >= 0 (0: no clipping)")
+    return _loop_config(args)
 
 
 def _check_name(flag: str, name: str) -> None:
@@ -90,22 +81,14 @@ def _check_fresh(run: Path, args, other: str) -> None:
                          f"or {other}")
 
 
-# LoopConfig field -> the flag that sets it, so its error names what the user typed (GRPOConfig's flags come from
-# its fields: k3.cli_checks.add_flags / from_args)
-_FLAGS = {"steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup", "decay_frac": "--decay-frac",
-          "ckpt_every": "--ckpt-every", "keep_last": "--keep-last", "grad_clip": "--grad-clip"}
+# TrainConfig's flags of `k3 rl warmstart` and `k3 rl train` (GRPOConfig's are `k3 rl train`'s too)
+LOOP_FLAGS = ("steps", "lr", "warmup_steps", "decay_frac", "grad_clip", "ckpt_every", "keep_last", "seed")
 
 
-def _validated(make):
-    """make() -> a validated config; its ValueError reworded with the flags instead of the config's fields."""
-    return as_flags(make, _FLAGS)
-
-
-def _loop_config(args, **defaults):
-    from k3.distill.loop import LoopConfig
-    return _validated(lambda: LoopConfig(
-        steps=args.steps, lr=args.lr, warmup_steps=args.warmup, decay_frac=args.decay_frac, ckpt_every=args.ckpt_every,
-        keep_last=args.keep_last, seed=args.seed, grad_clip=args.grad_clip, **defaults).validate())
+def _loop_config(args):
+    """The loop's config from the flags, over the post-training defaults (k3.train.config.POST_TRAINING)."""
+    from k3.train.config import POST_TRAINING, TrainConfig
+    return from_args(TrainConfig, args, only=LOOP_FLAGS, defaults=POST_TRAINING)
 
 
 def _tokenizer(root: Path):
@@ -222,7 +205,7 @@ def cmd_warmstart(args) -> dict:
     from k3.config import PRESETS, get_config
     from k3.rl.train import demo_pool, make_tokenizer, new_model, run_warmstart
     from k3.train.cli import set_threads
-    _check_run_flags(args)
+    lcfg = _check_run_flags(args)
     at_least(args, 1, "--workers", "--batch", "--tasks-per-kind", "--demos-per-task", "--n-layers", "--max-context")
     at_least(args, 0, "--tokenizer-prompts", "--short-prompt-steps")
     check_vocab_size(args.vocab_size)
@@ -230,7 +213,6 @@ def cmd_warmstart(args) -> dict:
         raise ValueError(f"--preset {args.preset!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}")
     overrides = {k: v for k, v in (("n_layers", args.n_layers), ("layer_pattern", args.layer_pattern)) if v}
     get_config(args.preset, max_context=args.max_context, **overrides)  # the model's settings, before any work
-    lcfg = _loop_config(args)
     set_threads(args.threads)
     root = Path(args.root)
     _check_root(root)
@@ -267,7 +249,7 @@ def cmd_train(args) -> dict:
     from k3.rl.family import build_tasks
     from k3.rl.train import run_grpo
     from k3.train.cli import set_threads
-    _check_run_flags(args)
+    lcfg = _check_run_flags(args)
     _check_name("--name", args.name)
     _check_name("--init", args.init)
     from k3.data.tokenizer import SETTINGS_FILE
@@ -284,7 +266,6 @@ def cmd_train(args) -> dict:
     root = Path(args.root)
     _check_root(root)
     gcfg = _grpo_config(args)
-    lcfg = _loop_config(args)
     _check_fresh(root / args.name, args, "another --name")
     tok = _tokenizer(root)
     # a --max-tokens no prompt fits beside: every episode excluded, steps that train nothing
@@ -463,7 +444,7 @@ def cmd_demo(args) -> dict:
                               demo_harness="canonical",
                               tasks_per_kind=DEMO["tasks_per_kind"],
                               demos_per_task=DEMO["demos_per_task"], vocab_size=1024, steps=DEMO["warm_steps"],
-                              batch=DEMO["warm_batch"], lr=3e-3, warmup=20, decay_frac=0.1, ckpt_every=0,
+                              batch=DEMO["warm_batch"], lr=3e-3, warmup_steps=20, decay_frac=0.1, ckpt_every=0,
                               context_loss_weight=0.0, short_prompt_steps=0)
     # the recipe of docs/rl.md's evidence runs: dialects swapped per episode (their own tool names: renamed
     # ones give a warm start this small almost no success to learn from), episodes weighed equally, a KL term
@@ -471,7 +452,7 @@ def cmd_demo(args) -> dict:
                                tasks_per_kind=DEMO["tasks_per_kind"], steps=DEMO["grpo_steps"],
                                groups_per_step=DEMO["groups"], group_size=DEMO["group_size"], temperature=1.0,
                                updates_per_batch=1, eps_low=0.2, eps_high=0.28, beta=0.04, agg="sequence",
-                               scale_rewards=True, lr=3e-4, warmup=2, decay_frac=0.0,
+                               scale_rewards=True, lr=3e-4, warmup_steps=2, decay_frac=0.0,
                                ckpt_every=DEMO["grpo_steps"] // 2, micro_batch=0)
     try:
         out = {"warmstart": cmd_warmstart(warm)}
@@ -489,16 +470,13 @@ def cmd_demo(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- parser
-def _common(p, steps: int, lr: float, ckpt_every: int) -> None:
+def _common(p, steps: int, lr: float, ckpt_every: int, warmup: int) -> None:
+    from k3.train.config import TrainConfig
+
     p.add_argument("--root", default=DEFAULT_ROOT, help=f"experiment directory (default {DEFAULT_ROOT})")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--warmup", type=int, default=10, help="warmup steps")
-    p.add_argument("--decay-frac", type=float, default=0.0, help="fraction of steps in the final LR decay")
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--ckpt-every", type=int, default=ckpt_every, help="0: only at the end")
-    p.add_argument("--keep-last", type=int, default=3)
-    p.add_argument("--seed", type=seed_type, default=0)
+    # --warmup is --warmup-steps' older spelling, which k3 rl's commands still take
+    add_flags(p, TrainConfig, only=LOOP_FLAGS, defaults={"steps": steps, "lr": lr, "warmup_steps": warmup,
+                                                         "decay_frac": 0.0, "ckpt_every": ckpt_every})
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--workers", type=int, default=4, help="parallel sandboxes when collecting demonstrations")
     p.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
@@ -522,7 +500,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=lambda a: _run(cmd_demo, a) if a.demo else (p.print_help(), 2)[1])
 
     w = sub.add_parser("warmstart", help="tokenizer, tasks, demonstrations in several dialects, supervised warm start")
-    _common(w, steps=300, lr=3e-3, ckpt_every=50)
+    _common(w, steps=300, lr=3e-3, ckpt_every=50, warmup=10)
     w.add_argument("--preset", default="tiny", help="model preset (vocab size comes from the tokenizer)")
     w.add_argument("--n-layers", type=int, default=None, help="layers (default: the preset's)")
     w.add_argument("--layer-pattern", default=None,
@@ -544,8 +522,7 @@ def register(subparsers) -> None:
     w.set_defaults(graceful=True, func=lambda a: _run(cmd_warmstart, a))
 
     t = sub.add_parser("train", help="GRPO from a checkpoint of the experiment")
-    _common(t, steps=100, lr=1e-3, ckpt_every=10)
-    t.set_defaults(warmup=0)
+    _common(t, steps=100, lr=1e-3, ckpt_every=10, warmup=0)
     t.add_argument("--init", default="warmstart", help="stage or run under ROOT to start from (default warmstart)")
     t.add_argument("--name", default="swap", help="run directory under ROOT")
     t.add_argument("--tasks-per-kind", type=int, default=16)
