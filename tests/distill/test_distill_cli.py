@@ -268,6 +268,8 @@ def test_distill_flags_are_checked_before_any_work(tmp_path, capsys, monkeypatch
         (teach + ["--base-steps", "0"], "--base-steps 0 must be a positive integer"),
         (teach + ["--teacher-lr", "-1"], "--teacher-lr -1.0 must be a positive number"),
         (teach + ["--lr", "nan"], "--lr nan must be a positive number"),
+        (teach + ["--warmup", "-1"], "--warmup -1 must be an integer >= 0"),  # --warmup-steps' other spelling
+        (teach + ["--ckpt-every", "-1"], "--ckpt-every -1 must be an integer >= 0"),
         (teach + ["--batch-size", "0"], "--batch-size 0 must be a positive integer"),
         (teach + ["--max-context", "0"], "--max-context 0 must be a positive integer"),
         (teach + ["--vocab-size", "256"], "use --vocab-size >= 273"),

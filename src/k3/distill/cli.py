@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from k3.cli_checks import (MATPLOTLIB_PLOTS, as_flags, at_least, output_dir, output_file, output_png,
+from k3.cli_checks import (MATPLOTLIB_PLOTS, add_flags, at_least, from_args, output_dir, output_file, output_png,
                            seed as seed_type)
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
@@ -39,11 +39,9 @@ def _parse_cells(text: str | None):
     return tuple(parse_cell(c.strip()) for c in text.split(",") if c.strip())
 
 
-# `k3 distill mopd`'s config fields -> its flags, so a config's error names what the user typed
-MOPD_FLAGS = {"mode": "--mode", "kl": "--kl", "per_cell": "--per-cell", "temperature": "--temperature",
-              "max_answer_tokens": "--max-answer-tokens", "reward_coef": "--reward-coef", "eval_n": "--eval-n",
-              "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "ckpt_every": "--ckpt-every",
-              "eval_every": "--eval-every", "token_budget": "--token-budget"}
+# TrainConfig's flags of `k3 distill teachers` (each stage's loop) and `k3 distill mopd` (MOPDConfig's are its too)
+TEACHERS_LOOP_FLAGS = ("steps", "lr", "warmup_steps", "ckpt_every", "seed")
+MOPD_LOOP_FLAGS = ("steps", "lr", "warmup_steps", "token_budget", "eval_every", "ckpt_every", "seed")
 
 
 def _check_rate(flag: str, value: float | None) -> None:
@@ -154,19 +152,25 @@ def cmd_teachers(args: argparse.Namespace) -> int:
 
     from k3.data.tokenizer import load_tokenizer, train_tokenizer
     from k3.distill.domains import CELLS, cell_name, make_domains, problem_rng, sft_example, tokenizer_texts
-    from k3.distill.loop import LoopConfig
     from k3.distill.mopd import TEACHERS_FILE, TEACHERS_FORMAT, read_teachers_file
     from k3.distill.sft import run_sft
     from k3.fileio import atomic_write_json
     from k3.model.transformer import K3Model
     from k3.train import checkpoint as ckpt
     from k3.train.cli import set_threads
+    from k3.train.config import POST_TRAINING, TrainConfig
 
     _check_resume_overwrite(args)
     at_least(args, 1, "--base-steps", "--steps", "--batch-size", "--max-context")
-    at_least(args, 0, "--warmup-steps", "--ckpt-every")
     _check_rate("--lr", args.lr)
     _check_rate("--teacher-lr", args.teacher_lr)
+    teacher_lr = args.lr if args.teacher_lr is None else args.teacher_lr
+
+    def lc(steps: int, lr: float) -> TrainConfig:  # a stage's: --base-steps and --lr, or --steps and --teacher-lr
+        return from_args(TrainConfig, args, only=TEACHERS_LOOP_FLAGS, defaults={**POST_TRAINING, "keep_last": 1},
+                         steps=steps, lr=lr)
+
+    lc(args.steps, teacher_lr)  # --warmup-steps, --ckpt-every, ... before any work
     output_dir("--out", args.out)
     config = config_from_args(args)
     config.replace(max_context=args.max_context)  # a bad --set or --max-context before the tokenizer is trained
@@ -207,12 +211,6 @@ def cmd_teachers(args: argparse.Namespace) -> int:
     if info and info.get("budgets") != budgets:
         raise ValueError(f"{info_path} has budgets {info.get('budgets')}, not {budgets}; pass the same --budgets, "
                          "--overwrite, or another --out")
-
-    teacher_lr = args.lr if args.teacher_lr is None else args.teacher_lr
-
-    def lc(steps: int, lr: float) -> LoopConfig:
-        return LoopConfig(steps=steps, lr=lr, warmup_steps=args.warmup_steps, seed=args.seed,
-                          keep_last=1, weight_decay=0.0, ckpt_every=args.ckpt_every)
 
     def stage(name: str, model, examples, steps: int, lr: float, stage_extra: dict) -> None:
         run = out / name
@@ -371,9 +369,9 @@ def _own_teachers(args, tok, shared, cells):
 def cmd_mopd(args: argparse.Namespace) -> int:
     from k3.distill.domains import make_domains
     from k3.distill.evaluate import plot_gaps
-    from k3.distill.loop import LoopConfig
     from k3.distill.mopd import MOPDConfig, load_teacher_matrix, run_mopd
     from k3.train.cli import set_threads
+    from k3.train.config import POST_TRAINING, TrainConfig
     from k3.train.metrics import read_metrics
 
     _check_resume_overwrite(args)
@@ -394,21 +392,16 @@ def cmd_mopd(args: argparse.Namespace) -> int:
     if args.match_tokens and args.token_budget is not None:
         raise ValueError("--token-budget and --match-tokens both set the token budget; give one")
     match_metrics = _run_metrics("--match-tokens", args.match_tokens) if args.match_tokens else None
-    token_budget = args.token_budget
+    matched = {}  # the token budget --match-tokens reads
     if match_metrics is not None:
         recs = [r for r in read_metrics(match_metrics) if r.get("kind") == "train"]
         if not recs:
             raise ValueError(f"--match-tokens {args.match_tokens}: its metrics.jsonl has no training records")
-        token_budget = int(recs[-1]["tokens"])
-    lc = as_flags(lambda: LoopConfig(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
-                                     ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                                     token_budget=token_budget, keep_last=2).validate(), MOPD_FLAGS)
+        matched = {"token_budget": int(recs[-1]["tokens"])}
+    lc = from_args(TrainConfig, args, only=MOPD_LOOP_FLAGS, defaults=POST_TRAINING, **matched)
     set_threads(args.threads)
     info, tok = _teachers_tokenizer(args.teachers)
-    mc = as_flags(lambda: MOPDConfig(
-        mode=args.mode, kl=args.kl, per_cell=args.per_cell, cells=_parse_cells(args.cells),
-        temperature=args.temperature, max_answer_tokens=args.max_answer_tokens, reward_coef=args.reward_coef,
-        budgets=dict(info["budgets"]), eval_n=args.eval_n, eval_seed=args.eval_seed).validate(), MOPD_FLAGS)
+    mc = from_args(MOPDConfig, args, cells=_parse_cells(args.cells), budgets=dict(info["budgets"]))
     student_path = Path(args.student) if args.student else Path(args.teachers) / info["base"]
     student, _ = _load_model(student_path, tok, "student", None if args.student else "retrain the teachers' shared "
                              f"base with `k3 distill teachers --out {args.teachers}`, or pass --student RUN_DIR")
@@ -604,15 +597,17 @@ def register(sub) -> None:
     p.add_argument("--budgets", default=None, help="thinking budgets, e.g. low=8,medium=16,high=32 (the default)")
     p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
     p.add_argument("--base-steps", type=int, default=300, help="SFT steps of the shared base (default 300)")
-    p.add_argument("--steps", type=int, default=150, help="SFT steps per teacher, from the base (default 150)")
+    from k3.distill.mopd import MOPDConfig
+    from k3.train.config import TrainConfig
+
+    add_flags(p, TrainConfig, only=TEACHERS_LOOP_FLAGS, defaults={"steps": 150, "warmup_steps": 10},
+              helps={"steps": "SFT steps per teacher, from the base (default %(default)s)",
+                     "lr": "peak learning rate of the base (default %(default)s)",
+                     "ckpt_every": "checkpoint every N steps of a stage, for --resume after a stop (default "
+                                   "%(default)s: at the end)"})
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the base (default 3e-3)")
     p.add_argument("--teacher-lr", type=float, default=None,
                    help="peak learning rate of each teacher's fine-tune (default: --lr)")
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--ckpt-every", type=int, default=0,
-                   help="checkpoint every N steps of a stage, for --resume after a stop (default 0: at the end)")
-    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--resume", action="store_true", help="continue partially trained stages")
     p.add_argument("--overwrite", action="store_true", help="retrain every stage from scratch")
@@ -627,28 +622,15 @@ def register(sub) -> None:
                    help=f"`k3 distill teachers` output (default {DEFAULT_TEACHERS})")
     p.add_argument("--student", default=None, help="initial student (default: the teachers' shared base)")
     p.add_argument("--out", default="runs/mopd/student", help="output directory (default runs/mopd/student)")
-    p.add_argument("--mode", choices=("on-policy", "off-policy"), default="on-policy",
-                   help="on-policy = MOPD; off-policy = SFT on teacher samples (baseline)")
-    p.add_argument("--kl", choices=("full", "sampled"), default="full",
-                   help="full = exact reverse KL over the vocabulary; sampled = log-ratio reward estimator")
+    add_flags(p, MOPDConfig)  # --mode, --kl, --per-cell, --temperature, ... --eval-seed
     p.add_argument("--single-teacher", default=None, choices=("low", "medium", "high"),
                    help="baseline: one teacher per domain (that effort's) for every effort of the domain")
     p.add_argument("--cells", default="all", help="comma-separated DOMAIN/EFFORT cells (default all 9)")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--per-cell", type=int, default=2, help="prompts per cell per step (default 2: batch 18)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=5)
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1: on-policy)")
-    p.add_argument("--max-answer-tokens", type=int, default=40)
-    p.add_argument("--reward-coef", type=float, default=0.0, help="weight of the verifier reward (default 0: off)")
-    p.add_argument("--token-budget", type=int, default=None, help="stop after this many completion tokens")
+    add_flags(p, TrainConfig, only=MOPD_LOOP_FLAGS,
+              defaults={"steps": 150, "lr": 1e-3, "warmup_steps": 5, "eval_every": 25, "ckpt_every": 25},
+              helps={"token_budget": "stop after this many completion tokens"})
     p.add_argument("--match-tokens", default=None, metavar="RUN_DIR",
                    help="stop at the completion tokens another run trained on (the off-policy baseline's budget)")
-    p.add_argument("--eval-every", type=int, default=25, help="evaluation every N steps (default 25)")
-    p.add_argument("--eval-n", type=int, default=8, help="evaluation problems per cell per evaluation (0: none)")
-    p.add_argument("--eval-seed", type=int, default=0)
-    p.add_argument("--ckpt-every", type=int, default=25)
-    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue OUT's latest checkpoint (exactly)")
     p.add_argument("--overwrite", action="store_true")

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from k3.cli_checks import FieldError, flag
 from k3.distill.domains import CELLS, DOMAIN_NAMES, Domain, cell_name, parse_cell, problem_rng
 from k3.distill.effort import EFFORTS, THINKING_BUDGETS, build_prompt, check_budgets, check_effort
 from k3.distill.loop import LoopConfig, StepLoop
@@ -285,48 +286,55 @@ def checkpoint_identity(manifest: dict) -> dict:
 # ---------------------------------------------------------------------- the MOPD run
 @dataclass
 class MOPDConfig:
-    mode: str = "on-policy"  # on-policy | off-policy (SFT on teacher samples)
-    kl: str = "full"  # full | sampled
-    per_cell: int = 2  # prompts per cell per step
-    cells: tuple = CELLS
-    temperature: float = 1.0
-    max_answer_tokens: int = 40
-    reward_coef: float = 0.0  # > 0 adds the verifier reward (REINFORCE) to the distillation loss
-    budgets: dict = field(default_factory=lambda: dict(THINKING_BUDGETS))
-    eval_n: int = 8  # held-out problems per cell at each evaluation during training (0: none)
-    eval_seed: int = 0
+    """MOPD's settings; those made with `flag()` are also `k3 distill mopd`'s flags, with this name, default and
+    help (k3.cli_checks)."""
+
+    mode: str = flag("on-policy", "on-policy = MOPD; off-policy = SFT on teacher samples (baseline)", choices=MODES)
+    kl: str = flag("full", "full = exact reverse KL over the vocabulary; sampled = log-ratio reward estimator",
+                   choices=KL_KINDS)
+    per_cell: int = flag(2, "prompts per cell per step (default 2: batch 18)")
+    cells: tuple = CELLS  # `k3 distill mopd --cells` parses its list
+    temperature: float = flag(1.0, "sampling temperature (default 1: on-policy)")
+    max_answer_tokens: int = flag(40)
+    # > 0 adds the verifier reward (REINFORCE) to the distillation loss
+    reward_coef: float = flag(0.0, "weight of the verifier reward (default 0: off)")
+    budgets: dict = field(default_factory=lambda: dict(THINKING_BUDGETS))  # the teacher matrix's
+    eval_n: int = flag(8, "evaluation problems per cell per evaluation (0: none)")  # held out, during training
+    eval_seed: int = flag(0)
 
     def validate(self) -> "MOPDConfig":
         if self.mode not in MODES:
-            raise ValueError(f"mode = {self.mode!r}; choose one of {', '.join(MODES)}")
+            raise FieldError("mode", f"{self.mode!r}; choose one of {', '.join(MODES)}")
         if self.kl not in KL_KINDS:
-            raise ValueError(f"kl = {self.kl!r}; choose one of {', '.join(KL_KINDS)}")
+            raise FieldError("kl", f"{self.kl!r}; choose one of {', '.join(KL_KINDS)}")
         if not isinstance(self.per_cell, int) or self.per_cell < 1:
-            raise ValueError(f"per_cell = {self.per_cell!r} must be a positive integer")
+            raise FieldError("per_cell", f"{self.per_cell!r} must be a positive integer")
         if not self.cells:
             raise ValueError("cells is empty; distil at least one (domain, effort) cell")
         self.cells = tuple(tuple(c) for c in self.cells)
         for c in self.cells:
             parse_cell(cell_name(*c))
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature = {self.temperature} must be a number > 0 for on-policy sampling")
+            raise FieldError("temperature", f"{self.temperature} must be a number > 0 for on-policy sampling")
         if self.kl == "sampled" and self.mode == "on-policy" and self.temperature != 1.0:
-            raise ValueError(f"kl = sampled with temperature = {self.temperature}: the sampled reverse-KL gradient is "
-                             "unbiased only for samples from the student itself (temperature 1); use temperature 1 "
-                             "or kl = full")
+            raise FieldError("kl", f"sampled with temperature = {self.temperature}: the sampled reverse-KL gradient is "
+                             "unbiased only for samples from the student itself (temperature 1); use temperature = 1 "
+                             "or kl = full", also=("temperature",))
         if not self.reward_coef >= 0:  # NaN too
-            raise ValueError(f"reward_coef = {self.reward_coef} must be a number >= 0")
+            raise FieldError("reward_coef", f"{self.reward_coef} must be a number >= 0")
         if not isinstance(self.max_answer_tokens, int) or self.max_answer_tokens < 1:
-            raise ValueError(f"max_answer_tokens = {self.max_answer_tokens!r} must be a positive integer")
+            raise FieldError("max_answer_tokens", f"{self.max_answer_tokens!r} must be a positive integer")
         if self.reward_coef > 0 and self.mode != "on-policy":
-            raise ValueError("the verifier reward (reward_coef > 0) needs on-policy samples; use mode on-policy")
+            raise FieldError("reward_coef", f"{self.reward_coef}: the verifier reward needs on-policy samples; use "
+                             "mode = on-policy", also=("mode",))
         if self.reward_coef > 0 and self.temperature != 1.0:
-            raise ValueError(f"reward_coef > 0 with temperature = {self.temperature}: the REINFORCE term's gradient uses "
-                             "the student's log-probs at temperature 1, unbiased only for samples drawn at 1; use "
-                             "temperature 1")
+            raise FieldError("reward_coef", f"{self.reward_coef} with temperature = {self.temperature}: the REINFORCE "
+                             "term's gradient uses the student's log-probs at temperature 1, unbiased only for samples "
+                             "drawn at 1; use temperature = 1", also=("temperature",))
         if self.kl != "full" and self.mode != "on-policy":
-            raise ValueError(f"kl = {self.kl} applies to on-policy distillation; the off-policy baseline trains on "
-                             "the teachers' samples with cross-entropy: drop --kl or use mode on-policy")
+            raise FieldError("kl", f"{self.kl} applies to on-policy distillation; the off-policy baseline trains on "
+                             "the teachers' samples with cross-entropy: use kl = full or mode = on-policy",
+                             also=("mode",))
         self.budgets = check_budgets(self.budgets)
         return self
 
