@@ -108,24 +108,6 @@ def seed(text: str) -> int:
     return v
 
 
-def as_flags(make, flags: dict[str, str]):
-    """make() -> a validated config; its ValueError reworded with the command's flags instead of the config's field
-    names (`flags`: field -> flag), so an error names what the user typed."""
-    import re
-
-    try:
-        return make()
-    except FieldError as e:
-        raise ValueError(e.named(flags.get)) from None
-    except ValueError as e:
-        msg = str(e)
-        for field, flag in flags.items():
-            msg = re.sub(rf"\b{field} = ", f"{flag} ", msg)
-            if "_" in field or field == "beta":  # identifiers, never words of the message's prose
-                msg = re.sub(rf"(?<![\w-]){field}\b", flag, msg)
-        raise ValueError(msg) from None
-
-
 # ---------------------------------------------------------------------- flags from config fields
 class FieldError(ValueError):
     """A config field's bad value, raised by a config's validate(). str() names the field (`group_size = 1: ...`);
