@@ -1,18 +1,12 @@
 """Checkpoints: safetensors for model and optimizer state, a JSON manifest, atomic commits, keep-last-N.
 
-Layout under a checkpoint root:
     step_000100/  model.safetensors  optimizer.safetensors  manifest.json
     latest        one line: the name of the newest complete step directory
 
-A save writes everything into a hidden temporary directory beside the target, fsyncs it, renames it to
-`step_XXXXXX` (an atomic rename on POSIX), and only then replaces `latest` (write-temp + os.replace).
-Older steps are pruned last, and never the one `latest` names, so a crash at any point leaves the previous
-checkpoint complete and pointed to. The manifest records config, step, RNG states (torch CPU/CUDA,
-python, numpy), the data position, the sha256 of every file and the k3 version; loading verifies hashes
-and config and names the file and field that disagree.
-
-The optimizer state dict (any torch optimizer, or an OptimizerList of them) is split into its tensors,
-stored in optimizer.safetensors under path-like keys, and a JSON skeleton kept in the manifest.
+A save is written into a hidden temporary directory, renamed into place, and only then named by `latest`;
+pruning never removes the step `latest` names, so a crash at any point leaves the previous checkpoint complete
+and pointed to. Loading verifies every file's sha256 and the config, naming the file and field that disagree.
+The manifest's fields and the optimizer state's layout: docs/training.md ("Checkpoints").
 """
 from __future__ import annotations
 

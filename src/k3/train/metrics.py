@@ -1,27 +1,10 @@
 """Training metrics: one JSON line per step, expert load, AttnRes entropy, FLOPs per token and MFU.
 
-Records in metrics.jsonl carry `"kind": "train"` (every step) or `"kind": "val"` (every evaluation):
-  train: step, loss, aux_loss, lr, grad_norm, tokens (seen so far), step_time_s, forward_s, backward_s,
-         optimizer_s (clipping + optimizer step), tokens_per_s, mfu,
-         expert_load_max_mean (per MoE layer: max / mean of its per-expert token counts; 1.0 = perfect
-         balance), expert_load_max_mean_overall (mean over MoE layers), expert_load (per layer, each
-         expert's share of routed tokens), attnres_entropy (per sublayer, nats), attnres_weights (per
-         sublayer, mean weight of each source), max_logit / clipped_heads (when QK-Clip runs)
-  val:   step, val_loss, val_ppl (and val_bpb when bytes per token are known)
-
-MFU = achieved model FLOP/s / peak FLOP/s. The peak is *measured* (a 2048 x 2048 matmul in the training
-dtype, best of a few runs, cached per process), not a datasheet number: on a CPU shared with other jobs
-it is what the machine can do right now. Model FLOPs per token (`flops_per_token`, counted by
-k3.model.accounting.forward_flops, the planner's count), training = 3x forward:
-  6 * N, N = weights touched by matmuls per token (the embedding lookup excluded, the head included, routed
-      experts at top-k) -- the Kaplan et al. / PaLM appendix B convention -- plus the MoE combine;
-  + MLA attention: 6 * H * (K + V) * (T + 1) / 2 per layer (q k^T and p v over the causal prefix,
-      the average query sees (T + 1) / 2 keys);
-  + KDA: 18 * H * K * V per layer (k^T S, the rank-1 update and q^T S, each K x V, per head);
-  + AttnRes: 12 * D * (sources mixed, summed over sublayers) (scores and the weighted sum).
-
-Baseline for bits per byte: `unigram_loss`, token frequencies counted on the train split (add-one
-smoothed) and scored on the validation targets, divided by ln 2 and the validation bytes per token.
+Records in metrics.jsonl carry `"kind": "train"` (every step) or `"kind": "val"` (every evaluation); a writer
+flushes every line, so a crash loses at most the one being written. The MFU peak is measured on this machine (a
+matmul in the training dtype, cached per process), not a datasheet number; FLOPs per token are the planner's
+count (k3.model.accounting). The record fields and the FLOP formula: docs/training.md ("Metrics"); the unigram
+baseline (`unigram_loss`): its "The demo".
 """
 from __future__ import annotations
 

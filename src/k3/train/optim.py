@@ -1,25 +1,11 @@
 """Optimizers: AdamW (torch's), Muon (ours) for matrix weights, and MuonClip's QK-Clip for Gated MLA.
 
-Muon (Jordan et al. 2024, github.com/KellerJordan/Muon): heavy-ball/Nesterov momentum, then the update
-matrix is replaced by its orthogonal polar factor U Vᵀ, approximated with five steps of a quintic
-Newton-Schulz iteration (coefficients 3.4445, -4.7750, 2.0315 from that write-up). Following Moonlight
-("Muon is Scalable for LLM Training", Liu et al., arXiv 2502.16982) the orthogonalised update is scaled by
-0.2 * sqrt(max(m, n)) so its RMS matches a typical AdamW update (~0.2), letting Muon reuse AdamW's
-learning rate and decoupled weight decay.
-
-Which parameters Muon gets (`split_params`): the weight of every `nn.Linear` except the output head, and
-3-D stacks of real matrices (the routed experts' weights [E, m, n], both m, n > 1, not a convolution),
-which are orthogonalised per expert slice, each expert being its own matrix. Everything else goes to
-AdamW: the embedding, the head, norms, biases, other 1-D parameters (no weight decay for those, nor for
-parameters marked `_no_weight_decay`), the AttnRes pseudo-queries, the KDA short convolution
-[C, 1, W] (a per-channel filter, not a matrix), and 2-D parameters that are not Linear weights (the
-router's [E, d] weight).
-
-QK-Clip (Kimi K2, arXiv 2507.20534, section 2.1; Su, kexue.fm/archives/11126): after each optimizer step,
-for every attention head h whose largest pre-softmax logit S_max^h in the step exceeded tau,
-gamma_h = tau / S_max^h and that head's query and key projection rows are multiplied by sqrt(gamma_h), so
-the head's logits scale by gamma_h and its max logit lands at tau; heads under tau are untouched. K3's MLA
-is NoPE, so there is no shared rotary key to leave alone; which rows belong to a head is given by GatedMLA.
+Muon replaces each matrix's momentum update by its orthogonal polar factor (five quintic Newton-Schulz steps)
+scaled by 0.2 * sqrt(max(m, n)), so it shares AdamW's learning rate and weight decay (Moonlight, arXiv
+2502.16982). It gets every `nn.Linear` weight but the head, and the routed experts' 3-D stacks, one matrix per
+expert; AdamW gets the rest (`split_params`). QK-Clip (Kimi K2, arXiv 2507.20534) rescales, after each step, the
+query and key rows of every MLA head whose max logit in the step exceeded tau, so it lands at tau. Sources,
+the parameter split in full and the cost on CPU: docs/training.md ("Optimizers").
 """
 from __future__ import annotations
 
@@ -139,7 +125,8 @@ class OptimizerList:
 
 
 def split_params(model: nn.Module, adamw_modules: Iterable[str] = ("embed", "head")) -> tuple[list, list, list]:
-    """-> (muon, adamw_decay, adamw_no_decay) lists of (name, param); see the module docstring for the rule.
+    """-> (muon, adamw_decay, adamw_no_decay) lists of (name, param): Muon for Linear weights and 3-D stacks of
+    real matrices; AdamW without weight decay for 1-D parameters and those marked `_no_weight_decay`.
 
     `adamw_modules` names top-level children that always go to AdamW (embedding, output head).
     """
@@ -168,9 +155,9 @@ def split_params(model: nn.Module, adamw_modules: Iterable[str] = ("embed", "hea
 
 
 def _adamw(groups: list[dict], **kw) -> torch.optim.AdamW:
-    """torch's AdamW, fused (one kernel over all tensors; on a 2-core CPU 36 ms against 149 ms per step for
-    `mini`) where every parameter is a plain CPU or CUDA float tensor; the per-tensor form otherwise (DTensor
-    parameters under FSDP). Same update up to float rounding (tests/train/test_train_optim.py)."""
+    """torch's AdamW, fused (one kernel over all tensors; its step time: docs/benchmarks.md, "Train") where every
+    parameter is a plain CPU or CUDA float tensor; the per-tensor form otherwise (DTensor parameters under FSDP).
+    Same update up to float rounding (tests/train/test_train_optim.py)."""
     params = [p for g in groups for p in g["params"]]
     fused = all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda") and p.is_floating_point()
                 for p in params)

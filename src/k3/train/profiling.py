@@ -2,21 +2,11 @@
 
 `ComponentTimer(model)` wraps, from outside and on the instances, every token mixer, channel mixer, the
 AttnRes mix/push/final calls, the embedding and the head. Each call runs inside a
-`torch.profiler.record_function("k3::<component>")` range (so profiler traces show the components) and,
-while the timer is enabled, is timed:
-
-- forward: wall time of the call (CPU ops are synchronous);
-- backward: a tensor hook on the call's output fires when the gradient reaching the component is complete
-  (its backward starts) and a hook on its input fires when the gradient leaving it is complete (its
-  backward ends). The autograd engine runs one graph task on one thread and gives parameter-gradient
-  accumulation top priority, so the interval holds that component's backward. AttnRes's mixes have many
-  inputs, so its backward is measured as the gaps between consecutive component intervals, which also
-  hold the pre-norms' backward (a small elementwise op); the time before the head's interval (the loss)
-  and after the first layer's (the embedding) counts as "other".
-
-Why not torch.profiler: on CPU its per-op overhead inflated the MoE backward (many small ops) from about
-2 s to 25 s in one `mini` step, which made its shares meaningless. The timer adds two hooks per component.
-On CUDA, pass `sync=True` to synchronise at every boundary (slower, but the times are then device times).
+`torch.profiler.record_function("k3::<component>")` range and, while the timer is enabled, is timed: forward
+as the call's wall time; backward from a gradient hook on the call's output (its backward starts) to one on
+its input (it ends). AttnRes's backward is the gaps between those intervals. Two hooks per component, instead
+of torch.profiler's per-op overhead; why, and what the shares mean: docs/training.md ("Benchmark"). On CUDA,
+`sync=True` synchronises at every boundary, so the times are device times.
 """
 from __future__ import annotations
 
