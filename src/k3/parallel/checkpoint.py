@@ -1,21 +1,11 @@
 """Distributed checkpoints with torch.distributed.checkpoint (DCP): save sharded, resume on any rank count.
 
-Layout under a root: `step_XXXXXX/` (DCP files + `k3.json`) and `latest` (one line, the newest step).
-Every rank writes its shards into a hidden `.step_XXXXXX.tmp/`; after a barrier rank 0 writes `k3.json`,
-renames the directory into place and only then replaces `latest`, so a job that dies mid-save leaves the
-previous checkpoint complete and named by `latest`.
-
-State is stored in logical form so that it reshards: FSDP parameters and their optimizer moments are
-DTensors already; expert weights (and moments) of a contiguous placement are wrapped as DTensors sharded
-over the EP mesh ([Replicate() over edp, Shard(0) over ep]) without copying. A balanced placement with
-replicas is not a DTensor layout, so its experts are gathered to full [E, ...] tensors (simple, but
-memory-hungry: fine for small models, not for the k3 preset).
-
-The optimizer state is stored flattened, one entry per parameter name (`state.<fqn>.<key>`,
-`param_groups.<fqn>.<key>`): with pipeline stages every rank holds different parameters, and per-group
-lists of names would collide between stages. Parameter names are those of the whole model on every stage
-(k3.parallel.pipeline.prune_to_stage), so a checkpoint resumes on another pp / dp / ep layout too.
-Format k3-dcp/1 (optimizer state nested by parameter group) still loads.
+Layout under a root: `step_XXXXXX/` (DCP files + `k3.json`) and `latest`. Every rank writes into a hidden
+`.step_XXXXXX.tmp/`; after a barrier rank 0 renames it into place and only then replaces `latest`, so a job that
+dies mid-save leaves the previous checkpoint complete and named. State is stored in logical form under the whole
+model's parameter names (experts as [E, ...], the optimizer state flattened per parameter name), so a checkpoint
+resumes on another pp / dp / ep layout. Format k3-dcp/1 (optimizer state nested by parameter group) still loads.
+How each kind of state is made logical: docs/distributed.md ("Distributed checkpoints", "Pipeline training").
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """The one door to torch.distributed collectives in k3.parallel: every call is counted in bytes.
 
 Each wrapper calls the matching `torch.distributed` function and records, under a tag (default: the
-collective's name), the number of calls, the payload (bytes of the tensor this rank hands in) and the
-remote bytes (what leaves this rank for other ranks under the usual algorithms: all-to-all sends every
-split but its own; all-gather sends its shard to R - 1 ranks; reduce-scatter and all-reduce are counted as
-rings, (R - 1) / R and 2 (R - 1) / R of the payload; point-to-point sends the whole tensor).
-Counts are per process; `STATS.snapshot()` reads them and `STATS.reset()` clears them. Without a process
-group the collectives act as in a world of one (local copies), so EP modules also run in one process.
-
-FSDP2's all-gather and reduce-scatter are routed here too (`CountingAllGather`, `CountingReduceScatter`,
-installed by k3.parallel.fsdp). Not counted: the router's balancing all-reduce inside the model (model code
-stays free of parallelism) and the collectives of torch.distributed.checkpoint.
+collective's name), the calls, the payload (bytes this rank hands in) and the remote bytes (what leaves it for
+other ranks; the rule per collective: docs/distributed.md, "Payload accounting"). Counts are per process
+(`STATS.snapshot()`, `STATS.reset()`). Without a process group the collectives act as in a world of one, so EP
+modules also run in one process. FSDP2's all-gather and reduce-scatter come here too (installed by
+k3.parallel.fsdp); the router's balancing all-reduce inside the model and DCP's collectives are not counted.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """MoonEP in k3: routed experts sharded over EP ranks, tokens moved by all-to-all of the *latent* vectors.
 
-Applied from outside (torchtitan style): `apply_expert_parallel` swaps each `MoE.experts` (a
-`RoutedExperts`, forward(z [N, l], weights [N, k], experts [N, k]) -> [N, l]) for an `ExpertParallel`
-with the same contract, holding only this rank's slots of the stacked weights. With LatentMoE the
-payload z is W_down x, width l = moe_latent_dim, not d_model: the router and shared expert stay local and
-full-width, W_down runs before dispatch and W_up after combine, so each token-slot crosses the network as l
-numbers each way (design ratio l / d = 1/2 for the k3 preset).
-
-Forward on every rank (all ranks of the EP group call it together):
-  1. route: each token-slot's expert -> a global slot (placement; replicas picked round-robin);
-  2. counts: all-to-all of the [R, S] token-slot counts (this rank -> each slot of each rank);
-  3. dispatch: all-to-all of the token-slot rows z[token] sorted by destination slot;
-  4. compute: received rows regrouped by local slot, one grouped GLU (k3.model.moe.grouped_glu);
-  5. combine: the reverse all-to-all; the sender weights and sums its k slots per token.
-Backward runs the two all-to-alls in reverse (k3.parallel.comm.all_to_all_rows). An expert's weight
-gradient is the sum over all senders' token-slots, so after backward `sync_expert_grads` sums the
-gradients of replicas of one expert (EP group) and of copies of the whole shard (edp group) and scales.
+`apply_expert_parallel` swaps each `MoE.experts` (a `RoutedExperts`, forward(z [N, l], weights [N, k], experts
+[N, k]) -> [N, l]) for an `ExpertParallel` with the same contract that holds only this rank's slots of the stacked
+weights. The router, the shared expert, W_down and W_up stay local, so a token-slot crosses the network as
+l = moe_latent_dim numbers each way. Forward: route to slots (the placement), all-to-all of the counts, dispatch,
+one grouped GLU, combine; backward runs the all-to-alls in reverse, and `sync_expert_grads` then sums the
+gradients of replicas and shard copies. The steps in full: docs/distributed.md ("MoonEP in k3").
 """
 from __future__ import annotations
 

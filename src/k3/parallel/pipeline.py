@@ -1,25 +1,12 @@
 """Pipeline stages over explicit send/recv, carrying the Block AttnRes sources between stages.
 
-With Attention Residuals a stage boundary cannot pass one hidden state: every later sublayer mixes all
-earlier *sources* (arXiv 2603.15031, sec. 3.2). What crosses the boundary before sublayer j is the AttnRes
-state: with `attnres: full`, the embedding and every sublayer output so far (1 + j tensors [B, T, D]);
-with `attnres: block`, the embedding, the finished block sums and the running partial sum of the open
-block (1 + j // S + [j % S > 0] with S sublayers per block); with `none`, one residual stream. So the
-bytes per micro-batch scale with the sources, not the layers, and Block AttnRes keeps them bounded by the
-block count: the design's count is `k3.model.accounting.pipeline_sources` (AttnRes.n_sources(2 * layer)).
-
-Schedule: GPipe (all micro-batch forwards, then the backwards in the same order). Each boundary message is
-a small int64 header (source counts, AttnRes step, block start, B, T) and one stacked [n_sources, B, T, D]
-tensor; gradients of that tensor travel back. The stage's layer loop is `K3Model.hidden_states`' loop over
-a range of layers (k3.model.transformer), so the model code stays free of parallelism.
-
-For training, `prune_to_stage` first drops what a stage does not run (other stages' layers, the embedding
-off the first stage, the final norm and head off the last), keeping parameter names as in the whole model
-so that checkpoints are layout-free. The AttnRes pseudo-queries and key norms stay on every stage: each
-stage mixes with its own sublayers' queries (and a block that opens before the boundary re-runs its
-phase 1 with the block's earlier queries), so their gradient is the sum over stages (`stage_shared_params`).
-A `PipelineStage` runs through `model(...)` (its forward becomes the stage's), so FSDP2's root hooks
-all-gather and reduce-scatter the root parameters as in a whole-model forward.
+With Attention Residuals a stage boundary cannot pass one hidden state: later sublayers mix every earlier
+source, so what crosses it is the AttnRes state, a small int64 header and one stacked [n_sources, B, T, D] tensor
+whose gradient travels back (`k3.model.accounting.pipeline_sources` counts the sources). A stage runs
+`K3Model.hidden_states`' layer loop over its range, so the model stays free of parallelism; the schedule is GPipe.
+`prune_to_stage` keeps what a stage runs under the whole model's parameter names (checkpoints are layout-free);
+the AttnRes parameters stay on every stage and their gradients are summed over stages (`stage_shared_params`).
+Why, and the bytes: docs/distributed.md ("Pipeline stages and Block AttnRes", "Pipeline training").
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """Where each routed expert lives on the EP ranks: contiguous shards, or an EPLB-style balanced placement.
 
 A placement is a table of *slots*: `n_ranks` ranks hold `slots_per_rank` slots each, and slot g (on rank
-g // slots_per_rank) holds one logical expert, `slot_expert[g]`. Contiguous EP gives rank r the experts
-r*S .. r*S + S - 1. A balanced placement (the approach of DeepSeek's Expert Parallelism Load Balancer,
-github.com/deepseek-ai/EPLB, and DeepSeek-V3 sec. 3.4, arXiv 2412.19437) adds redundant slots:
-
-  1. replicate: each redundant slot goes, one at a time, to the logical expert with the largest load per
-     replica (load_e / replicas_e), so the heaviest replica load is as small as greedy gets it;
-  2. pack: replicas sorted by load (load_e / replicas_e) descending go one by one to the rank with the
-     least load so far that still has a free slot (and, where possible, no copy of that expert yet).
-
-At dispatch every token-slot routed to a replicated expert picks one of its replicas round-robin by the
-occurrence index of that expert among the sender's token-slots, offset by the sender's rank, so each
-replica receives an even share of the expert's tokens from every sender.
+g // slots_per_rank) holds logical expert `slot_expert[g]`. Contiguous EP gives rank r the experts
+r*S .. r*S + S - 1. A balanced placement (DeepSeek's EPLB, github.com/deepseek-ai/EPLB) gives the redundant
+slots to the experts with the largest load per replica, then packs the replicas, heaviest first, onto the least
+loaded rank; `route` spreads a replicated expert's token-slots over its replicas round-robin. The algorithm and
+its sources: docs/distributed.md ("Load-skew smoothing").
 """
 from __future__ import annotations
 
