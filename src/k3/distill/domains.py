@@ -1,22 +1,13 @@
 """Three domains with automatic checks, each with reasoning traces at three levels of detail.
 
-  arith   sums of 2-5 digits ("sum 3+5+2+7"); answer the integer; exact match.
-          traces: high = the sum rewritten with its first two terms added, until one number is left
-          ("8+2+7 10+7 17"), medium = every running sum ("8 10 17"), low = every second running sum ("10").
-  pyfunc  a small Python function over a list from a one-line spec ("f(xs): sum of square for even x");
-          answer the code; scored by hidden cases run in AgentENV's bubblewrap sandbox (k3.agentenv).
-          traces: high = each spec word with its code fragment, medium = the fragments, low = the reducer.
-  text    reverse an identifier from a shipped list (text_words.txt: function names taken once from the
-          Python standard library, `stdlib_words`); exact match. traces: high = the word spelled forward then backward,
-          medium = spelled backward, low = the first half of it.
+  arith   sums of 2-5 digits ("sum 3+5+2+7"); answer the integer; exact match
+  pyfunc  a small Python function from a one-line spec; scored by hidden cases in AgentENV's sandbox
+  text    reverse an identifier from a shipped list (text_words.txt); exact match
 
-A trace is a list of steps; `trace_text` keeps the longest prefix of steps whose tokens fit the effort's
-thinking budget, so training data never asks for more reasoning than the sampler would allow. Problems
-are pure functions of a string seed (`random.Random(str)` hashes it with SHA-512, the same on every
-machine). Evaluation problems come from their own seed stream. `Text(held_out=True)` evaluates on
-identifiers never trained on (split hash below 0.2); the default shares one pool, because at the
-CPU scale of docs/mopd.md held-out words scored 0 (the task is then transformation of corpus words the
-model has seen, partly a memory test).
+A trace is a list of steps; `trace_text` keeps the longest prefix that fits the effort's thinking budget, so
+training data never asks for more reasoning than the sampler allows. Problems are pure functions of a string
+seed (the same on every machine); evaluation problems come from their own seed stream. The traces of each
+effort, and why `text` evaluates on trained words unless `Text(held_out=True)`: docs/mopd.md ("Three domains").
 """
 from __future__ import annotations
 

@@ -1,26 +1,11 @@
 """MOPD: multi-teacher on-policy distillation of a (domain x effort) teacher matrix into one student.
 
-Each step draws `per_cell` prompts from every cell, the student samples a completion for each (on-policy,
-temperature 1, under the cell's thinking budget), and every completion token is trained towards the
-teacher of the prompt's cell with the reverse KL at that position:
-
-  full     KL(p_s || p_t) = sum_v p_s(v) (log p_s(v) - log p_t(v)), exact over the vocabulary, per position
-           of the student's own sequence: on-policy generalized knowledge distillation with the reverse KL
-           (GKD, Agarwal et al., arXiv 2306.13649; reverse KL for LMs: MiniLLM, Gu et al., arXiv 2306.08543).
-  sampled  the one-sample estimator: the sampled token's log-ratio as a per-token reward,
-           A_t = sg(log p_t(x_t) - log p_s(x_t)), loss = -A_t log p_s(x_t), per-token reward only (discount 0): Thinking
-           Machines' "On-policy distillation" (Lu et al., 2025) and MiMo-V2-Flash's MOPD (arXiv 2601.02780),
-           whose per-token advantage is sg[log pi_T - log pi_S] with the teacher chosen per domain.
-
-The full form is averaged over all completion tokens of the batch, the sampled estimator over the sampled
-(not forced) ones. Forced tokens (the budget's `<|/think|>`, the
-answer cap's `<|end|>`) were not drawn from the student: the full form trains them like any position
-(it does not depend on the token taken), the sampled estimator skips them. An optional verifier reward
-adds REINFORCE on the domain checks: -coef * (r - mean r) * sum_t log p_s(x_t) / tokens.
-
-`mode = "off-policy"` is the baseline the report's gap needs: the same prompts, but completions sampled
-from the cell's teacher and learnt with cross-entropy (SFT on teacher samples), stopped at the same
-token budget as an on-policy run.
+Each step the student samples a completion for `per_cell` prompts of every cell (on-policy, under the cell's
+thinking budget), and every completion token is trained towards the teacher of the prompt's cell with the
+reverse KL: `full`, exact over the vocabulary at each position, or `sampled`, the one-sample estimator
+-sg(log p_t - log p_s) log p_s, which skips forced tokens (the sampler wrote them, not the student). An optional
+verifier reward adds REINFORCE on the domain checks. `mode = "off-policy"` is the baseline: completions sampled
+from the teachers, learnt with cross-entropy. Sources, normalisation and baselines: docs/mopd.md ("MOPD").
 """
 from __future__ import annotations
 
