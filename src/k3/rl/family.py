@@ -1,24 +1,12 @@
 """A task family a small model can learn: pick the tool and the command that does the job, in any harness.
 
-Three kinds, each built as ordinary AgentENV tasks (`k3.agentenv.tasks.write_task`, checksummed, verified
-by physical checks), each solved by one `run` call and `finish`. The facts a task is about live in
-workspace files, never in the instruction, so the policy must let the tool read and compute them:
-
-- `calc` (family `files`): expr.txt holds `37 * 51` (operands 12-69; held out 71-99); its value must end up in answer.txt
-  (`echo $(( $(cat expr.txt) )) > answer.txt`); checked by the sha256 of answer.txt.
-- `count` (family `files`): word.txt holds a word; answer.txt must hold the number of lines of data.txt
-  that contain it (`grep -c -f word.txt data.txt > answer.txt`); checked by sha256, data.txt unchanged.
-- `update` (family `sqlite`): change.txt holds `bolt 17`; that item's qty in table items of app.db must
-  become 17 (one `sqlite3` UPDATE through `run`); checked by querying every row in a fresh sandbox.
-
-So what a policy has to learn is tool intent: which tool runs commands in this harness, how this harness
-spells a call, and which command the instruction asks for. Copying the task's facts into the call is
-not needed: a small model trained from scratch here does not learn to copy within minutes of CPU time
-(docs/rl.md, "what the model can learn").
-
-Tasks are pure functions of `(kind, split, index)`. The `train` and `heldout` splits draw operands,
-words and item names from disjoint pools. Every task carries its reference solution
-(`hidden/solution.json`), from which `demos.py` makes the supervised warm start.
+Three kinds of ordinary AgentENV task (`k3.agentenv.tasks.write_task`: checksummed, verified by physical
+checks), each solved by one `run` call and `finish`: `calc` (evaluate expr.txt into answer.txt), `count` (count
+the lines of data.txt holding word.txt's word) and `update` (set an item's qty in app.db from change.txt). The
+facts live in workspace files, never in the instruction, so what a policy learns is tool intent, not copying.
+Tasks are pure functions of `(kind, split, index)`; `train` and `heldout` draw from disjoint pools. Every task
+carries its reference solution (`hidden/solution.json`), from which `demos.py` makes the warm start. The
+commands, checks and why the facts are not in the instruction: docs/rl.md ("The task family").
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """GRPO: group-relative advantages, a clipped policy ratio, an optional KL to a reference, token masks.
 
-For a group of G episodes of the same task under the same harness (the same prompt), with verified
-rewards r_1..r_G, the advantage of every sampled token of episode i is
+Every sampled token of episode i gets its group's advantage A_i = (r_i - mean r) / (std r + eps) (population
+std; `scale=False` drops it), and the per-token loss is
 
-    A_i = (r_i - mean(r)) / (std(r) + eps)        (std: population; `scale_rewards=False` drops it)
+    l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t,   rho = exp(log pi - log pi_old)
 
-(GRPO, Shao et al., DeepSeekMath, arXiv 2402.03300, outcome supervision; Dr. GRPO, Liu et al., arXiv
-2503.20783, argues for dropping the std). Per sampled token t of episode i, with ratio
-rho = exp(log pi(t) - log pi_old(t)):
-
-    l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t
-    KL_t = exp(log pi_ref(t) - log pi(t)) - (log pi_ref(t) - log pi(t)) - 1     (the k3 estimator,
-           unbiased and non-negative, as in DeepSeekMath's GRPO)
-
-Only tokens the policy sampled enter the loss (`mask`): the system prompt, the instruction and every
-tool output are context. `agg="token"` averages over all masked tokens of the batch (DAPO, Yu et al.,
-arXiv 2503.14476); `agg="sequence"` averages each episode's tokens, then the episodes (the GRPO paper).
-`grpo_loss_reference` is the same objective written as plain loops; a test holds the two equal.
+with KL_t the k3 estimator against the reference. Only tokens the policy sampled enter (`mask`); `agg="token"`
+averages over all of them (DAPO), `agg="sequence"` per episode, then over episodes (GRPO). The settings are
+checked by GRPOConfig. `grpo_loss_reference` is the same objective as plain loops; a test holds the two equal.
+Sources: docs/rl.md ("GRPO").
 """
 from __future__ import annotations
 
