@@ -1,22 +1,12 @@
 """Long-context probe: needle retrieval (associative recall) at increasing lengths, all-KDA vs 3:1 vs all-MLA.
 
-The claim it measures (Kimi Linear, arXiv 2510.26692): KDA layers carry history in a fixed-size state,
-the periodic MLA layers retrieve exactly from the whole context. A task that needs exact retrieval from
-far back should therefore separate all-KDA from models with MLA layers as the context grows.
-
-One episode of length L (vocabulary: blank, separator, filler, pair, query and value tokens):
-    context  L - 1 - n_keys tokens: every key once as a *pair token* (key, value), value drawn at random,
-             at random positions among random filler tokens
-    SEP
-    queries  the n_keys query tokens in random order; the target at query j is the value paired with key j
-Targets are the blank token everywhere except at the queries, so the loss concentrates on retrieval
-(MQAR in Zoology, arXiv 2312.04927, masks the other positions; the trainer has no mask, and a blank target
-is learned in a few steps). A key and its value share one token so that retrieval is a pure content
-lookup: with separate key and value tokens, NoPE attention would first need a previous-token mechanism
-(position), which only KDA's short convolution supplies -- a confound, not the property under test.
-
-Models are trained at `train_len` and evaluated at every `eval_lengths` entry; lengths above
-`train_len` put the same needles behind more filler than training ever showed (length generalisation).
+The claim (Kimi Linear, arXiv 2510.26692): KDA layers carry history in a fixed-size state and the periodic MLA
+layers retrieve exactly from the whole context, so retrieval from far back should separate all-KDA from models
+with MLA layers as the context grows. An episode of length L: every key once as a *pair token* (key, value) at a
+random position among filler tokens, then SEP and the keys as queries in random order; the target is the blank
+token except at the queries. Models train at `train_len` and are evaluated at every `eval_lengths` entry, the
+longer ones putting the needles behind more filler than training showed. Why pair tokens and blank targets:
+docs/ablations.md ("What is compared", "Design notes from building the probe").
 """
 from __future__ import annotations
 

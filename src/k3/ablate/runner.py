@@ -1,18 +1,11 @@
 """Plan, run and cache the ablation runs.
 
-Every run is a `RunSpec` (kind, config, train settings, seed, data) whose SHA-256 is its cache key; the
-run's directory `OUT/runs/<key>/` holds `result.json` once it is complete (written atomically, last), so a
-finished run is never repeated and an interrupted suite picks up where it stopped. A training run also
-checkpoints every quarter of its steps (at least 20 apart) into its directory and resumes from there (the trainer's resume is
-exact on CPU); the checkpoint is deleted when `result.json` is written. Runs that a PTQ evaluation needs
-keep their final weights (`model.safetensors`).
-
-Kinds:
-  train  the trainer on the tokenized text; validation loss (nats / token and bits / byte) and the
-         max / mean expert load, over the training steps' last fifth and on the validation batches
-  ptq    a trained run's final weights loaded into a model built with `qat` set, then evaluated
-  probe  the needle-retrieval probe (k3.ablate.probe): trained on synthetic episodes, accuracy per length
-Runs execute in this process (jobs = 1) or in `jobs` worker processes, one CPU thread each.
+Every run is a `RunSpec` (kind, config, train settings, seed, data) whose SHA-256 is its cache key; the run's
+directory `OUT/runs/<key>/` holds `result.json` once it is complete (written atomically, last), so a finished
+run is never repeated and an interrupted suite picks up where it stopped (a training run resumes from its own
+checkpoints, exactly on CPU). Kinds: `train` (the trainer on the tokenized text: validation loss, bits / byte,
+expert load), `ptq` (a trained run's final weights evaluated with `qat` set) and `probe` (k3.ablate.probe).
+Runs execute in this process (jobs = 1) or in `jobs` worker processes, one CPU thread each (docs/ablations.md).
 """
 from __future__ import annotations
 

@@ -41,9 +41,8 @@ class ProbeSettings:
     steps: int = 300
     batch_size: int = 16
     lr: float = 3e-3
-    # 0.1, not the LM default 0.02: measured while designing the probe, a 2-layer MLA model at 0.02 stayed
-    # at chance on this task for 300 steps and at 0.1 solved it in under 100 (the q.k product starts
-    # near a saddle when both factors are tiny).
+    # 0.1, not the LM default 0.02: at 0.02 the q.k product starts near a saddle (both factors tiny) and a small
+    # MLA model stayed at chance on this task (docs/ablations.md, "Design notes from building the probe")
     init_std: float = 0.1
     eval_batches: int = 4
     eval_batch_size: int = 16
