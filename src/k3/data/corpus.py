@@ -1,16 +1,14 @@
 """Text corpora as iterables of `(doc_id, text)` documents, split train/validation by document.
 
 The default corpus is embedded in every Python install: the standard library's `.py` sources (no
-`site-packages`, no test suites, only files that decode as UTF-8). Other text comes in through a
-`--data` spec: a directory (recursive `*.txt`, `*.md`, `*.py`, `*.jsonl`), a glob, a single text file,
-or a `.jsonl` file whose lines are objects with a string `"text"` field (one document per line).
+`site-packages`, no test suites, only UTF-8). Other text comes in through a `--data` spec: a directory (recursive
+`*.txt`, `*.md`, `*.py`, `*.jsonl`), a glob, a text file, or a `.jsonl` file of objects with a string `"text"`
+field (one document per line).
 
-The split is a pure function of each document's id (its relative path, or `path:line` for JSONL): a
-keyed hash maps the id to [0, 1) and ids below `val_fraction` are validation. It is the same on every
-call, every machine and every Python, and adding a file never moves another file across the split (except in
-a corpus so small that the hash puts no document in validation: then the lowest-hashed one stands in, and a
-new document can take its place). Near-copies of training text are taken out of validation when the data is
-packed (`k3.data.dataset.prepare_data`, `decontaminate`), not here: that needs the text.
+The split is a pure function of each document's id (its relative path, or `path:line` for JSONL): a keyed hash
+maps the id to [0, 1) and ids below `val_fraction` are validation, on every call, machine and Python. Adding a
+file never moves another across the split (unless no document hashed into validation, so the lowest-hashed one
+stood in). Near-copies of training text leave validation when the data is packed (`prepare_data`), not here.
 """
 from __future__ import annotations
 
@@ -110,8 +108,8 @@ class Corpus:
     def fingerprint(self) -> str:
         """Hash of the document list and the files' contents: changes when the corpus does, and only then
         (a copy that keeps size and mtime is still seen; a `touch` is not a change). Reads every file once
-        per corpus object (about 0.05 s for the 12 MB standard library); a file that cannot be read, which the
-        reader skips, counts by its size and mtime."""
+        per corpus object (its cost: docs/benchmarks.md, "Data"); a file that cannot be read, which the reader
+        skips, counts by its size and mtime."""
         if self._fingerprint is None:
             h = hashlib.sha256(f"{self.description}|{self.val_fraction}".encode())
             # absolute paths: the same folder given as `corpus`, `./corpus` or its full path is the same corpus

@@ -1,17 +1,14 @@
 """Packed token datasets: documents tokenised once into one flat token file, read back through `np.memmap`.
 
-On disk, for a dataset named `train` in `out_dir`:
-  train.bin        the tokens of every document, each followed by `<|eos|>`, as uint16 (vocab <= 65536)
-                   or uint32
+On disk, for a dataset named `train` in `out_dir` (each file written atomically):
+  train.bin        every document's tokens, each followed by `<|eos|>`, as uint16 (vocab <= 65536) or uint32
   train.docs.npy   int64 offset of each document's first token (`doc_starts`)
-  train.json       the manifest: n_tokens, n_docs, dtype, tokenizer fingerprint, source; written last,
-                   so a manifest on disk always describes complete files
-All three are written atomically (temporary file + `os.replace`).
+  train.json       the manifest (n_tokens, n_docs, dtype, tokenizer fingerprint, source), written last, so a
+                   manifest on disk always describes complete files
 
-Training batches are a pure function of (seed, step): window starts come from
-`np.random.SeedSequence([seed, step, _BATCH_SALT])`, so a run resumed at step s reads exactly the tokens the
-uninterrupted run would have, whatever happened before. Validation reads fixed, non-overlapping windows
-from the start of the split in order.
+Training batches are a pure function of (seed, step) (`np.random.SeedSequence([seed, step, _BATCH_SALT])`), so a
+resumed run reads exactly the tokens an uninterrupted one would. Validation reads fixed, non-overlapping windows
+from the start of the split, in order.
 """
 from __future__ import annotations
 

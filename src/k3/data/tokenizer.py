@@ -5,7 +5,7 @@ token: the 256 byte symbols are always in the vocabulary. `SPECIAL_TOKENS` is th
 tokens; their ids are their positions in it, so a chat template or a loss mask can rely on them.
 
 Training on the full stdlib corpus is bounded by `DEFAULT_TOKENIZER_MAX_BYTES` (the first ~20 MB of the
-train split, in sorted file order), which keeps BPE training to seconds on two CPU cores.
+train split, in sorted file order), which bounds BPE training's time (docs/benchmarks.md, "Data").
 """
 from __future__ import annotations
 
