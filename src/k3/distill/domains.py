@@ -163,8 +163,8 @@ class PyFunc(Domain):
         from k3.agentenv.sandbox import default_config
 
         lim = (self.sandbox_config or default_config()).limits
-        # worst case per answer: its group's limit, a second to start, and the sandbox's own overhead (five
-        # answers that all slept to the limit took 55 of 60 s with 2 s of slack each; 3 s leaves room)
+        # worst case per answer: its group's limit, a second to start, and the sandbox's own overhead (3 s in all;
+        # the measurement behind it: docs/mopd.md, "Three domains")
         per = max(1, int(lim.verify_timeout_s // (lim.check_timeout_s + 3.0)))
         scores = []
         for k in range(0, len(problems), per):
