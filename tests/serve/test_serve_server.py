@@ -187,8 +187,20 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model, serve_tokenizer)
         _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                              field: value}), 400, field)
     _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}), 400, "frobnicate")
-    for value in (0, 1, False):  # OpenAI answers logprobs=0 with a logprobs object; this server has none
+    # logprobs: completions take 0..20 alternatives, chat a boolean and top_logprobs 0..20 (with logprobs true);
+    # max_tokens 0 only with echo (scoring the prompt)
+    for value in (21, -1, True, "3", 2.5):
         _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": value}), 400, "logprobs")
+    chat = lambda **kw: post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],  # noqa: E731
+                                                     "max_tokens": 2, **kw})
+    for value in ("yes", 1, [True]):
+        _error(chat(logprobs=value), 400, "logprobs")
+    for value in (21, -1, "2", True):
+        _error(chat(logprobs=True, top_logprobs=value), 400, "top_logprobs")
+    _error(chat(top_logprobs=3), 400, "top_logprobs")  # as OpenAI: top_logprobs needs logprobs
+    _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}), 400, "max_tokens")
+    _error(post("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "yes", "logprobs": 1}), 400, "echo")
     _error(post("/v1/completions", {"model": MODEL, "prompt": [0, 99999]}), 400, "prompt")
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
     _error(post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x", "content": "y"}]}), 400, "messages")
@@ -244,6 +256,15 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model, serve_tokenizer)
                                                    temperature=-1)
     assert e.value.body["param"] == "temperature"
     assert http.get("/health").json()["status"] == "ok"  # still serving
+    # the edges of the new parameters answer 200, never a 5xx
+    ok = [post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 20, "echo": True, "max_tokens": 0}),
+          post("/v1/completions", {"model": MODEL, "prompt": [5], "logprobs": 0, "echo": True, "max_tokens": 0,
+                                   "stream": True}),
+          post("/v1/completions", {"model": MODEL, "prompt": ["", "y"], "logprobs": 2, "echo": True, "n": 2,
+                                   "max_tokens": 1, "temperature": 1e-9}),
+          chat(logprobs=True, top_logprobs=20, stream=True), chat(logprobs=False, top_logprobs=0),
+          chat(logprobs=True, n=3, temperature=2, repetition_penalty=1e-4)]
+    assert [r.status_code for r in ok] == [200] * len(ok), [r.text for r in ok]
     http.close()
 
 
@@ -590,3 +611,98 @@ def test_chat_reply_cut_by_max_tokens_is_length_even_after_a_tool_call(tiny_mode
             ends = [ch.choices[0].finish_reason for ch in client(url).chat.completions.create(**kw, stream=True)
                     if ch.choices and ch.choices[0].finish_reason]
             assert ends == [want]
+
+
+# ---------------------------------------------------------------------- logprobs, prefix cache, metrics
+def _direct_logprobs(model, ids):
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)  # [T, V]
+
+
+def test_completion_logprobs_and_echo_scoring(server_url, tiny_model, serve_tokenizer):
+    c = client(server_url)
+    ids = serve_tokenizer.encode("def main():\n    return")
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    n_out = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_out
+    out_ids = _greedy(tiny_model, serve_tokenizer, ids, 6, skip_special_tokens=True)[0]
+    want = _direct_logprobs(tiny_model, ids + out_ids)
+    for t, (tok_id, got) in enumerate(zip(out_ids, lp.token_logprobs)):
+        assert abs(got - want[len(ids) - 1 + t, tok_id].item()) < 1e-4
+    assert all(3 <= len(top) <= 4 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    # echo + max_tokens 0: the prompt scored, nothing generated (what a teacher needs)
+    s = c.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=1)
+    lp = s.choices[0].logprobs
+    assert s.usage.completion_tokens == 0 and s.choices[0].finish_reason == "length"
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = _direct_logprobs(tiny_model, ids)
+    assert all(abs(lp.token_logprobs[t] - want[t - 1, ids[t]].item()) < 1e-4 for t in range(1, len(ids)))
+    assert s.choices[0].text == serve_tokenizer.decode(ids)
+    # echo with generation: the prompt's entries, then the completion's; streamed chunks add up to the same
+    e = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True, logprobs=2, temperature=0)
+    assert len(e.choices[0].logprobs.tokens) == len(ids) + e.usage.completion_tokens
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=5, echo=True, logprobs=2, temperature=0,
+                                       stream=True))
+    streamed = [x for ch in chunks for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == e.choices[0].logprobs.token_logprobs
+    assert [x for ch in chunks for x in ch.choices[0].logprobs.tokens] == e.choices[0].logprobs.tokens
+    assert "".join(ch.choices[0].text for ch in chunks) == e.choices[0].text
+
+
+def test_chat_logprobs_streamed_and_not(server_url, tiny_model, serve_tokenizer):
+    c = client(server_url)
+    messages = [{"role": "user", "content": "hello there"}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.8, seed=5,
+                                  logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    prompt = render(messages, serve_tokenizer)
+    req = Engine(tiny_model, serve_tokenizer).generate([prompt], SamplingParams(
+        max_tokens=8, temperature=0.8, seed=5, stop_token_ids=stop_token_ids(serve_tokenizer)))[0]
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt + req.output_ids]))[0].double()
+    want = torch.log_softmax(logits / 0.8, -1)  # after temperature
+    for t, (tok_id, entry) in enumerate(zip(req.output_ids, content)):
+        assert abs(entry.logprob - want[len(prompt) - 1 + t, tok_id].item()) < 1e-4
+        assert len(entry.top_logprobs) == 4
+        try:
+            assert bytes(entry.bytes).decode("utf-8") == entry.token
+        except UnicodeDecodeError:  # part of a character: its bytes spelled out
+            assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)
+        assert [a.logprob for a in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs), reverse=True)
+    # the raw bytes of the tokens add up to the reply's bytes (a token may hold part of a UTF-8 character)
+    text = serve_tokenizer.decode(req.output_ids, skip_special=False)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == text
+    parts = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.8, seed=5,
+                                           logprobs=True, top_logprobs=4, stream=True))
+    streamed = [e for p in parts if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+
+
+def test_prefix_cache_through_the_server_and_metrics(tiny_model, serve_tokenizer):
+    engine = Engine(tiny_model, serve_tokenizer, max_batch=4, prefill_chunk=32, prefix_block=16,
+                    prefix_cache_bytes=1 << 24)
+    with serve(engine) as url:
+        c = client(url)
+        history = [{"role": "system", "content": "You are a careful assistant. " * 8},
+                   {"role": "user", "content": "first question"}]
+        first = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                    {"role": "user", "content": "and a second one"}]
+        second = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        ref = Engine(tiny_model, serve_tokenizer).generate([render(history, serve_tokenizer)], SamplingParams(
+            max_tokens=4, temperature=0, stop_token_ids=stop_token_ids(serve_tokenizer)))[0]
+        assert second.usage.completion_tokens == len(ref.output_ids)
+        text = httpx.get(url + "/metrics").text
+        metrics = dict(line.split("{")[0:1] + line.rsplit(" ", 1)[1:] for line in text.splitlines()
+                       if not line.startswith("#"))
+        assert float(metrics["k3_prefix_cache_hits_total"]) >= 1
+        assert float(metrics["k3_prefix_cache_tokens_reused_total"]) >= first.usage.prompt_tokens
+        assert 0 < float(metrics["k3_prefix_cache_bytes"]) <= 1 << 24
+        assert httpx.get(url + "/health").json()["prefix_cache"]["hits"] >= 1

@@ -10,7 +10,9 @@ disconnects (or closes an event stream) cancels its requests, which frees their 
 
 Extensions beyond OpenAI's parameters (as vLLM spells them): `top_k`, `repetition_penalty`, `ignore_eos`,
 `skip_special_tokens`; chat replies carry `reasoning_content` (DeepSeek's field name) for the
-`<|think|>` part. See https://platform.openai.com/docs/api-reference for the wire format.
+`<|think|>` part; `logprobs` / `top_logprobs` go up to 20 alternatives, as vLLM allows. GET /metrics gives the
+engine's counters (prefix cache hits, tokens reused, bytes held) in Prometheus' text format. See
+https://platform.openai.com/docs/api-reference for the wire format.
 """
 from __future__ import annotations
 
@@ -27,12 +29,13 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3.data.tokenizer import SPECIAL_TOKENS
 from k3.data.chat import ChatFormatError, ChatOutputParser, parse_reply, render, stop_token_ids
 from k3.model.sampling import SamplingError, SamplingParams
-from k3.serve.engine import ContextLengthError, Engine, EngineFull, TokenEvent
+from k3.serve.engine import MAX_LOGPROBS, ContextLengthError, Engine, EngineFull, Logprob, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +232,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens = {default_max_tokens} must be >= 1")
     tok = engine.tokenizer
+    token_text = _TokenText(tok)
     worker = EngineWorker(engine, worker_threads)
     created = int(time.time())
     chat_stops = stop_token_ids(tok)
@@ -277,6 +281,10 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         body = {"status": "ok" if worker.alive else "unavailable", "model": model_name, **engine.stats()}
         return JSONResponse(body, status_code=200 if worker.alive else 503)
 
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_prometheus(engine.stats(), model_name), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
@@ -312,7 +320,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         return dataclasses.replace(params, max_tokens=explicit if explicit is not None
                                    else min(room, params.max_tokens))
 
-    def submit_all(jobs: list[tuple[int, list[int], SamplingParams]], events: "_Events") -> list:
+    def submit_all(jobs: list[tuple[int, list[int], SamplingParams]], events: "_Events", **options) -> list:
         cap = engine.max_batch + engine.max_queue
         if len(jobs) > cap:  # could never fit, so not a 429 to retry
             raise bad(f"{len(jobs)} completions were requested at once (n x prompts), but this server holds at "
@@ -320,7 +328,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         reqs = []
         try:
             for index, ids, params in jobs:
-                reqs.append(engine.submit(ids, params, events.callback(index)))
+                reqs.append(engine.submit(ids, params, events.callback(index), **options))
         except EngineFull as e:
             for r in reqs:
                 engine.cancel(r)
@@ -355,12 +363,14 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
             raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
         if body.get("suffix"):
             raise bad("suffix (insertion) is not supported", "suffix", "unsupported_parameter")
-        if body.get("logprobs") is not None:  # OpenAI returns a logprobs object even for 0
-            raise bad("logprobs is not supported by this server", "logprobs", "unsupported_parameter")
+        logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)  # OpenAI returns a logprobs object even for 0
         echo = bool(_get(body, "echo", (bool,), False, "must be true or false"))
         stream = bool(_get(body, "stream", (bool,), False, "must be true or false"))
         include_usage = _stream_options(body)
-        explicit = _max_tokens(body, "max_tokens")
+        # echo with max_tokens 0 scores the prompt and generates nothing (OpenAI's way to get prompt logprobs)
+        explicit = _integer(body, "max_tokens", None, 0 if echo else 1)
+        prompt_only = explicit == 0
+        explicit = None if prompt_only else explicit
         base = _sampling(body, 16)
         jobs = []
         for pi, ids in enumerate(prompts):
@@ -368,8 +378,11 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
             for j in range(n):
                 seed = None if base.seed is None else base.seed + j
                 jobs.append((pi * n + j, ids, dataclasses.replace(fitted, seed=seed)))
+        if prompt_only:
+            jobs = [(i, ids, dataclasses.replace(p, max_tokens=1)) for i, ids, p in jobs]
         events = _Events(asyncio.get_running_loop(), final_only=not stream)
-        reqs = submit_all(jobs, events)
+        reqs = submit_all(jobs, events, logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                          prompt_only=prompt_only)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)
         raw = body.get("prompt")
@@ -381,21 +394,34 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
         def usage() -> dict:
             c = sum(len(r.output_ids) for r in reqs)
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c}
+            cached = sum(reqs[i].cached_tokens for i in range(0, len(reqs), n))  # each prompt once, as it counts
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c,
+                    "prompt_tokens_details": {"cached_tokens": cached}}
 
         if stream:
             async def chunks():
                 first = [True] * len(reqs)
+                pending: list[list] = [[] for _ in reqs]  # logprobs of tokens whose text is not out yet
+                offsets = [0] * len(reqs)
                 async for index, ev in events.stream(len(reqs)):
                     if ev.finish_reason == "error":
                         yield _sse(APIError(500, ev.request.error or "generation failed", "server_error").body())
                         continue
+                    if logprobs is not None:
+                        if first[index] and echo:
+                            pending[index] += ev.request.prompt_logprob_list
+                        if ev.logprob is not None:
+                            pending[index].append(ev.logprob)
                     text = (echoes[index] if first[index] else "") + ev.text
                     first[index] = False
                     if not text and ev.finish_reason is None:
                         continue
+                    lp = None
+                    if logprobs is not None:
+                        lp, offsets[index] = _completion_logprobs(pending[index], token_text, offsets[index])
+                        pending[index] = []
                     yield _sse({"id": rid, "object": "text_completion", "created": now, "model": model_name,
-                                "choices": [{"index": index, "text": text, "logprobs": None,
+                                "choices": [{"index": index, "text": text, "logprobs": lp,
                                              "finish_reason": ev.finish_reason}],
                                 **({"usage": None} if include_usage else {})})  # as OpenAI: null but the last
                 if include_usage:
@@ -408,7 +434,9 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         if not await events.wait_all(reqs, request, engine):
             return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
         _raise_failed(reqs)
-        choices = [{"index": i, "text": echoes[i] + r.text, "logprobs": None, "finish_reason": r.finish_reason}
+        choices = [{"index": i, "text": echoes[i] + r.text, "finish_reason": r.finish_reason,
+                    "logprobs": None if logprobs is None else _completion_logprobs(
+                        (r.prompt_logprob_list if echo else []) + r.output_logprobs, token_text)[0]}
                    for i, r in enumerate(reqs)]
         return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "choices": choices,
                 "usage": usage()}
@@ -421,8 +449,11 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         _check_keys(body, CHAT_KEYS)
         check_model(body)
         check_worker()
-        if body.get("logprobs") or body.get("top_logprobs"):
-            raise bad("logprobs is not supported by this server", "logprobs", "unsupported_parameter")
+        want_logprobs = bool(_get(body, "logprobs", (bool,), False, "must be true or false"))
+        top_logprobs = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top_logprobs and not want_logprobs:
+            raise bad("top_logprobs needs logprobs = true", "top_logprobs")
+        logprobs = (top_logprobs or 0) if want_logprobs else None
         if body.get("functions") or body.get("function_call"):
             raise bad("functions / function_call are deprecated; use tools", "functions", "unsupported_parameter")
         fmt = body.get("response_format")
@@ -450,16 +481,23 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         jobs = [(j, ids, dataclasses.replace(fitted, seed=None if base.seed is None else base.seed + j))
                 for j in range(n)]
         events = _Events(asyncio.get_running_loop(), final_only=not stream)
-        reqs = submit_all(jobs, events)
+        reqs = submit_all(jobs, events, logprobs=logprobs)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def usage() -> dict:
             c = sum(len(r.output_ids) for r in reqs)
-            return {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c}
+            return {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c,
+                    "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
+
+        pending: list[list] = [[] for _ in reqs]  # logprobs of tokens not yet sent in a chunk
 
         def chunk(index: int, delta: dict, finish: str | None = None) -> str:
+            lp = None
+            if logprobs is not None:
+                lp = {"content": [_chat_logprob(e, token_text) for e in pending[index]], "refusal": None}
+                pending[index] = []
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                         "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
                          **({"usage": None} if stream and include_usage else {})})  # as OpenAI: null but the last
 
         if stream:
@@ -471,6 +509,8 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
                     if ev.finish_reason == "error":
                         yield _sse(APIError(500, ev.request.error or "generation failed", "server_error").body())
                         continue
+                    if ev.logprob is not None:
+                        pending[index].append(ev.logprob)
                     p = parsers[index]
                     for kind, value in p.feed(ev.text, final=ev.finish_reason is not None):
                         if kind == "tool_call":
@@ -498,7 +538,9 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
                 msg["reasoning_content"] = reasoning
             if calls:
                 msg["tool_calls"] = [c.to_openai() for c in calls]
-            choices.append({"index": i, "message": msg, "logprobs": None,
+            lp = None if logprobs is None else {
+                "content": [_chat_logprob(e, token_text) for e in r.output_logprobs], "refusal": None}
+            choices.append({"index": i, "message": msg, "logprobs": lp,
                             "finish_reason": _finish_reason(r.finish_reason, calls)})
         return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "choices": choices,
                 "usage": usage()}
@@ -566,6 +608,101 @@ def _finish_reason(reason: str, calls) -> str:
     """As OpenAI: "tool_calls" for a reply that called tools and ended by itself; a reply cut at max_tokens stays
     "length" with or without calls (its last call may be the one cut off)."""
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+# ---------------------------------------------------------------------- logprobs and metrics
+_LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0 (JSON has no -Infinity)
+
+
+def _finite(v: float) -> float:
+    return v if v >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # NaN compares False: floored too
+
+
+class _TokenText:
+    """A token's text and bytes for logprobs (OpenAI's `token` and `bytes`): the raw bytes of a byte-level BPE
+    token, and as text their UTF-8 decoding, or, for a token that holds part of a character, `bytes:\\xNN..` (as
+    vLLM writes it), so that different tokens never share a text (completions key top_logprobs by it)."""
+
+    def __init__(self, tok):
+        self.tok, self._memo = tok, {}
+        self._byte_of = _byte_level_decoder()
+
+    def __call__(self, i: int) -> tuple[str, list[int]]:
+        got = self._memo.get(i)
+        if got is None:
+            if i < len(SPECIAL_TOKENS):
+                raw = SPECIAL_TOKENS[i].encode()
+            else:
+                piece = self.tok.id_to_token(i) or ""
+                raw = (bytes(self._byte_of[c] for c in piece) if all(c in self._byte_of for c in piece)
+                       else self.tok.decode([i]).encode("utf-8", "surrogatepass"))
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            got = self._memo[i] = (text, list(raw))
+        return got
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (what tokenizers' ByteLevel pre-tokenizer maps bytes to), inverted."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _chat_logprob(e: Logprob, token_text: _TokenText) -> dict:
+    def one(i: int, lp: float) -> dict:
+        text, raw = token_text(i)
+        return {"token": text, "logprob": _finite(lp), "bytes": raw}
+    return {**one(e.token_id, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
+
+
+def _completion_logprobs(entries: list, token_text: _TokenText, offset: int = 0) -> tuple[dict, int]:
+    """OpenAI's completions logprobs object for `entries` and the text offset after them. `top_logprobs` maps token
+    text to logprob: the alternatives and the chosen token; a prompt's first token has null for both."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = token_text(e.token_id)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if e.logprob is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(e.logprob))
+        top = {token_text(i)[0]: _finite(lp) for i, lp in e.top}
+        top.setdefault(text, _finite(e.logprob))
+        out["top_logprobs"].append(top)
+    return out, offset
+
+
+def _prometheus(stats: dict, model_name: str) -> str:
+    """Engine counters in Prometheus' text exposition format."""
+    label = '{model="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+    rows = [("k3_requests_running", "gauge", stats["running"]), ("k3_requests_waiting", "gauge", stats["waiting"]),
+            ("k3_requests_prefilling", "gauge", stats["prefilling"]), ("k3_engine_steps_total", "counter", stats["steps"]),
+            ("k3_batch_cache_bytes", "gauge", stats["cache_bytes"]),
+            ("k3_prefill_tokens_total", "counter", stats["prefill_tokens"])]
+    pc = stats.get("prefix_cache")
+    if pc is not None:
+        rows += [("k3_prefix_cache_lookups_total", "counter", pc["lookups"]),
+                 ("k3_prefix_cache_hits_total", "counter", pc["hits"]),
+                 ("k3_prefix_cache_tokens_looked_up_total", "counter", pc["tokens_looked_up"]),
+                 ("k3_prefix_cache_tokens_reused_total", "counter", pc["tokens_reused"]),
+                 ("k3_prefix_cache_evictions_total", "counter", pc["evictions"]),
+                 ("k3_prefix_cache_bytes", "gauge", pc["bytes"]), ("k3_prefix_cache_max_bytes", "gauge", pc["max_bytes"]),
+                 ("k3_prefix_cache_nodes", "gauge", pc["nodes"])]
+    out = []
+    for name, kind, value in rows:
+        out += [f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    return "\n".join(out) + "\n"
 
 
 def _sse(obj: dict) -> str:
