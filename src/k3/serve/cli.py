@@ -16,6 +16,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue = {args.max_queue} must be >= 0")
+    if args.prefix_cache_bytes < 0 or args.prefix_block < 1:
+        raise ValueError(f"--prefix-cache-bytes = {args.prefix_cache_bytes} must be >= 0 (0: off) and "
+                         f"--prefix-block = {args.prefix_block} >= 1")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port = {args.port} must be in 1..65535")
     try:
@@ -32,11 +35,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     socks = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    prefill_chunk=args.prefill_chunk)
+                    prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_bytes,
+                    prefix_block=args.prefix_block)
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens,
                      api_key=args.api_key or os.environ.get("K3_API_KEY") or None, worker_threads=threads)
     print(f"k3 serve: {name} from {manifest['path']} (step {manifest.get('step')}), context "
-          f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s); "
+          f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s), prefix "
+          f"cache {f'{args.prefix_cache_bytes / 2**20:,.0f} MiB' if args.prefix_cache_bytes else 'off'}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
     try:
@@ -90,6 +95,12 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=32,
                    help="requests waiting for a batch slot; beyond that the server answers 429 (default 32)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default 512)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                   help="bytes of cached prefixes (MLA latents, KDA snapshots) kept for reuse, LRU; 0 turns "
+                        "prefix caching off (default 1 GiB)")
+    p.add_argument("--prefix-block", type=int, default=256,
+                   help="tokens between KDA state snapshots: prefixes are reused up to a multiple of this or a "
+                        "cached prompt's end (default 256)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat reply length when the request gives no max_tokens (default 256)")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $K3_API_KEY, else none)")
