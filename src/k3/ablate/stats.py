@@ -79,16 +79,16 @@ def paired_ci(a: dict[int, float], b: dict[int, float], confidence: float = 0.95
 
 def verdict(kind: str, ci: dict, margin: float | None = None) -> str:
     """'lower': a < b; 'higher': a > b; 'within': a - b < margin (margin > 0 measured elsewhere)."""
+    # kinds are written in the suites (k3.ablate.suites), not given by a user
+    assert kind in ("lower", "higher", "within"), f"claim kind {kind!r} is unknown; use lower, higher or within"
     if ci["n"] < 2 or math.isnan(ci["mean"]):
         return INCONCLUSIVE
     if kind == "lower":
         threshold = 0.0
     elif kind == "higher":
         return SUPPORTED if ci["lo"] > 0 else CONTRADICTED if ci["hi"] < 0 else INCONCLUSIVE
-    elif kind == "within":
+    else:
         if margin is None or not margin > 0:
             return INCONCLUSIVE  # no measured gain to keep a share of
         threshold = margin
-    else:
-        raise ValueError(f"claim kind {kind!r} is unknown; use lower, higher or within")
     return SUPPORTED if ci["hi"] < threshold else CONTRADICTED if ci["lo"] > threshold else INCONCLUSIVE
