@@ -25,7 +25,7 @@ def test_failure_keeps_old_file_and_removes_temp(tmp_path):
 
 
 def test_rejects_read_modes(tmp_path):
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(AssertionError, match="mode"):  # a caller's mistake, not a user's: an assertion
         with atomic_open(tmp_path / "x", "rb"):
             pass
 
@@ -97,3 +97,36 @@ def test_a_deeply_nested_checkpoint_manifest_is_a_one_line_error(tmp_path):
     with pytest.raises(CheckpointError, match="manifest.json: not valid JSON \\(nested deeper than") as e:
         read_manifest(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("what", ["tokenizer", "metrics", "data", "kimi_config", "kimi_index"])
+def test_files_a_user_supplies_refuse_absurd_nesting_in_one_line(tmp_path, what):
+    """Tokenizers, metrics logs, datasets and released checkpoints' JSON: 100,000 levels of nesting give a one-line
+    error (or a skipped line), never a RecursionError."""
+    deep = "[" * 100_000 + "]" * 100_000
+    if what == "tokenizer":
+        from k3.data import load_tokenizer
+
+        (tmp_path / "tokenizer.json").write_text(deep)
+        call = lambda: load_tokenizer(tmp_path / "tokenizer.json")  # noqa: E731
+    elif what == "metrics":
+        from k3.train.metrics import read_metrics
+
+        (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n' + deep + "\n")
+        assert len(read_metrics(tmp_path / "metrics.jsonl")) == 1
+        return
+    elif what == "data":
+        from k3.data import load_data
+
+        (tmp_path / "tokenizer.json").write_text("{}")
+        (tmp_path / "data.json").write_text(deep)
+        call = lambda: load_data(tmp_path)  # noqa: E731
+    else:
+        import k3
+
+        (tmp_path / "config.json").write_text(deep if what == "kimi_config" else '{"model_type": "kimi_k3"}')
+        (tmp_path / "model.safetensors.index.json").write_text(deep)
+        call = lambda: k3.load(tmp_path)  # noqa: E731
+    with pytest.raises(ValueError) as e:
+        call()
+    assert "\n" not in str(e.value).strip()

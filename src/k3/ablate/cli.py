@@ -8,6 +8,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from k3.fileio import loads_json
 
 DEFAULT_DATA = "runs/data"
 
@@ -23,7 +24,7 @@ def parse_sets(items: list[str]) -> dict:
         if not sep or key not in fields:
             raise K3ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
         try:
-            out[key] = json.loads(raw)
+            out[key] = loads_json(raw)
         except json.JSONDecodeError:
             out[key] = raw
     return out

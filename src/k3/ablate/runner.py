@@ -26,7 +26,7 @@ import torch
 from k3.ablate import probe as probe_mod
 from k3.ablate.suites import PROBE, QAT_RECIPE, Group, Scale, build_groups, moe_payload
 from k3.config import K3Config
-from k3.fileio import atomic_write_bytes, atomic_write_json
+from k3.fileio import atomic_write_bytes, atomic_write_json, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def run_dir(out: Path, key: str) -> Path:
 def cached_result(out: Path, spec: RunSpec, need_weights: bool = False) -> dict | None:
     d = run_dir(out, spec.key)
     try:
-        res = json.loads((d / RESULT).read_text())
+        res = loads_json((d / RESULT).read_text())
     except (OSError, json.JSONDecodeError):
         return None
     if res.get("key") != spec.key:
@@ -246,7 +246,7 @@ def resolved_train(spec: RunSpec) -> dict | None:
         return None
     from k3.train.trainer import TrainConfig
 
-    return json.loads(json.dumps(dataclasses.asdict(TrainConfig(**spec.train)), default=str))
+    return loads_json(json.dumps(dataclasses.asdict(TrainConfig(**spec.train)), default=str))
 
 
 def _finish(d: Path, res: dict) -> dict:

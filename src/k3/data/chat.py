@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from k3.data.tokenizer import SPECIAL_TOKENS
+from k3.fileio import loads_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 EFFORTS = ("low", "medium", "high")
@@ -65,7 +66,7 @@ def _tool_call_json(call, where: str) -> str:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = loads_json(args) if args.strip() else {}
         except json.JSONDecodeError:
             pass  # kept as a string: the model sees what the caller sent
     return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
@@ -292,7 +293,7 @@ class ChatOutputParser:
 
 def _parse_call(text: str) -> ToolCall | None:
     try:
-        obj = json.loads(text)
+        obj = loads_json(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -22,6 +22,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
+from k3.fileio import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def _read_jsonl(path: Path, wanted: dict[int, str]) -> Iterator[Document]:
                 log.warning("skipping %s:%d: not UTF-8 text (byte %d)", path, lineno, err.start)
                 continue
             try:
-                obj = json.loads(line)
+                obj = loads_json(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}); each line of a .jsonl corpus "
                                  f'must be one object like {{"text": "..."}}') from None

@@ -320,7 +320,7 @@ def load_data(out_dir: str | os.PathLike) -> DataFiles:
     info = {}
     if info_path.is_file():  # a description of how the data was made; training does not need it
         try:
-            info = json.loads(info_path.read_text(encoding="utf-8"))
+            info = loads_json(info_path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             log.warning("%s is not valid JSON (%s); going on without it (`k3 tokenize --force` rewrites it)",
                         info_path, e)
@@ -337,7 +337,7 @@ def held_source(data_dir: str | os.PathLike) -> str | None:
                       ("train.json", split_source), ("val.json", split_source)):
         # data.json is removed while a directory is rebuilt: a build that failed leaves the splits' own record
         try:
-            source = get(json.loads((Path(data_dir) / name).read_text(encoding="utf-8")))
+            source = get(loads_json((Path(data_dir) / name).read_text(encoding="utf-8")))
         except (OSError, ValueError, UnicodeDecodeError, AttributeError):
             continue
         if isinstance(source, str):
@@ -358,7 +358,7 @@ def _written_by_k3(data_dir: Path) -> bool:
     for name, keys in ((DATA_MANIFEST, ("request",)), ("train.json", ("n_tokens", "tokenizer_hash")),
                        ("val.json", ("n_tokens", "tokenizer_hash"))):
         try:
-            d = json.loads((data_dir / name).read_text(encoding="utf-8"))
+            d = loads_json((data_dir / name).read_text(encoding="utf-8"))
         except (OSError, ValueError, UnicodeDecodeError):
             continue
         if isinstance(d, dict) and all(k in d for k in keys):

@@ -27,7 +27,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|think|>", "<|/think|>",
     "<|effort:low|>", "<|effort:medium|>", "<|effort:high|>",
 )
-from k3.fileio import atomic_write_text  # noqa: E402
+from k3.fileio import atomic_write_text, loads_json  # noqa: E402
 
 N_BYTES = 256
 MIN_VOCAB_SIZE = N_BYTES + len(SPECIAL_TOKENS)
@@ -84,7 +84,7 @@ class Tokenizer:
         if self.hf.post_processor is not None:
             from tokenizers import Tokenizer as HFTokenizer
 
-            spec = json.loads(text)
+            spec = loads_json(text)
             if spec.get("post_processor") == _ADDS_NOTHING:
                 spec["post_processor"] = None
                 text = HFTokenizer.from_str(json.dumps(spec)).to_str()
@@ -223,8 +223,6 @@ def reuse_built_tokenizer(tok_path: str | os.PathLike, want: dict, overwrite: bo
     (the settings recorded beside it) or no settings were recorded (an older one, or one given as a file); False
     when it has to be built (none there, or other settings and `overwrite`). Other settings without `overwrite`
     raise ValueError naming them, then `fix`. A new build is saved with its settings by `install_tokenizer`."""
-    import json
-
     tok_path = Path(tok_path)
     settings = tok_path.parent / SETTINGS_FILE
     if not tok_path.is_file():
@@ -233,7 +231,7 @@ def reuse_built_tokenizer(tok_path: str | os.PathLike, want: dict, overwrite: bo
         if warn_unrecorded:
             log.warning("reusing %s, whose settings were not recorded", tok_path)
         return True
-    have = json.loads(settings.read_text())
+    have = loads_json(settings.read_text())
     if have == want:
         return True
     if overwrite:

@@ -12,6 +12,7 @@ from k3.cli_checks import (MATPLOTLIB_PLOTS, add_flags, at_least, from_args, out
                            seed as seed_type)
 from k3.data.tokenizer import check_vocab_size
 from k3.model.cli import add_config_args, config_from_args
+from k3.fileio import loads_json
 
 DEFAULT_TEACHERS = "runs/mopd/teachers"
 
@@ -288,7 +289,7 @@ def cmd_teachers(args: argparse.Namespace) -> int:
         # another process may have trained other cells of this directory meanwhile (--cells splits the matrix
         # over processes): keep what it listed, when it shares this run's tokenizer and budgets
         if info_path.is_file() and not args.overwrite:
-            disk = json.loads(info_path.read_text())
+            disk = loads_json(info_path.read_text())
             if disk.get("tokenizer_sha256") == tok.fingerprint and disk.get("budgets") == budgets:
                 listed = {**disk.get("teachers", {}), **listed}
         listed[cell_name(d, e)] = name
@@ -323,7 +324,7 @@ def _eval_closure(out: Path, teachers, student, domains, tok, mc, args):
     cache = out / "teacher_eval.json"
     teacher_res = None
     if cache.is_file():
-        saved = json.loads(cache.read_text())
+        saved = loads_json(cache.read_text())
         if saved.get("key") == key:
             teacher_res = saved["result"]
     if teacher_res is None:

@@ -28,6 +28,7 @@ from k3.distill.loop import LoopConfig, StepLoop
 from k3.distill.rollout import Rollout, merge_rollouts, sample
 from k3.distill.sft import PAD_ID, masked_ce
 from k3.model.moe import balancing_token_mask
+from k3.fileio import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ def read_teachers_file(teachers_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{path} not found; train the teacher matrix with `k3 distill teachers --out {teachers_dir}`")
     rebuild = f"rebuild it with `k3 distill teachers --out {teachers_dir} --overwrite`"
     try:
-        info = json.loads(path.read_text())
+        info = loads_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); {rebuild}") from None
     if not isinstance(info, dict):

@@ -18,7 +18,6 @@ enter the KDA state.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -33,7 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from k3.config import K3Config
 from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.data.chat import CHAT_TEMPLATE, STOP_TOKENS
-from k3.fileio import atomic_dir, pid_alive, writer_pid
+from k3.fileio import atomic_dir, loads_json, pid_alive, writer_pid
 from k3.model.cache import HybridCache, KDACache, MLACache
 from k3.model.moe import Router
 from k3.model.transformer import K3Model
@@ -256,7 +255,7 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
             config = kwargs.get("config")
             if not isinstance(config, K3HFConfig):
 
-                model_type = json.loads((path / "config.json").read_text()).get("model_type")
+                model_type = loads_json((path / "config.json").read_text()).get("model_type")
                 if model_type != MODEL_TYPE:
                     raise ValueError(f"{path / 'config.json'} has model_type {model_type!r}, not {MODEL_TYPE!r}: "
                                      "it is not a k3 model (export one with k3.io.hf.export_hf)")
@@ -290,7 +289,7 @@ def check_weights(path: str | os.PathLike, config: K3HFConfig) -> None:
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+    files = sorted(set(loads_json(index.read_text())["weight_map"].values())) if index.is_file() else \
         (["model.safetensors"] if (path / "model.safetensors").is_file() else [])
     if not files:
         raise ValueError(f"{path} holds no model.safetensors; export the checkpoint with k3.io.hf.export_hf")
@@ -364,7 +363,7 @@ def check_tokenizer(tokenizer, config: K3Config | K3HFConfig | None = None, voca
 # ---------------------------------------------------------------------- conversion
 def _is_hf_export(path: Path) -> bool:
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type") == MODEL_TYPE
+        return loads_json((path / "config.json").read_text()).get("model_type") == MODEL_TYPE
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -388,7 +388,7 @@ class SafetensorsFile:
                 n = int.from_bytes(head, "little") if len(head) == 8 else -1
                 if n < 2 or 8 + n > size:
                     raise ValueError(f"header length {n} for a file of {size} bytes")
-                header = json.loads(f.read(n))
+                header = loads_json(f.read(n))
         except (OSError, ValueError) as e:
             raise CheckpointFormatError(f"{path}: not a readable safetensors file ({e}); the file is truncated or "
                                         "damaged: fetch it again") from None
@@ -468,7 +468,7 @@ class Tensors:
 def _read_json(path: Path):
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return loads_json(f.read())
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"{path}: not readable JSON ({type(e).__name__}: {e}); fetch the file again") \
             from None

@@ -2,7 +2,6 @@
 and the tokenizer it reads."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 
 from k3.config import K3Config
 from k3.train import checkpoint as ckpt
+from k3.fileio import loads_json
 
 
 def _holds_distributed_checkpoint(path) -> bool:
@@ -64,7 +64,7 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
                          f"{vocab_size}; pass the tokenizer the model was trained with")
     trained = trained_tokenizer_hash(manifest)
     if not trained and data.get("data_dir") and (Path(data["data_dir"]) / "train.json").is_file():
-        trained = json.loads((Path(data["data_dir"]) / "train.json").read_text()).get("tokenizer_hash")
+        trained = loads_json((Path(data["data_dir"]) / "train.json").read_text()).get("tokenizer_hash")
     if trained and trained != tokenizer.fingerprint:
         raise ValueError(f"tokenizer {tok_path} is not the one the model's training data was tokenized with "
                          f"(fingerprint {tokenizer.fingerprint[:12]}..., trained with {trained[:12]}...); pass "
@@ -76,7 +76,7 @@ def checkpoint_tokenizer(manifest: dict, vocab_size: int, tokenizer_path=None):
 def _hf_export_type(path: Path) -> str | None:
     """config.json's model_type when `path` holds an HF transformers directory (k3's is "k3")."""
     try:
-        return json.loads((path / "config.json").read_text()).get("model_type")
+        return loads_json((path / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
 

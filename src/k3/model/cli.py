@@ -5,6 +5,7 @@ import argparse
 import json
 
 from k3.config import PRESETS, K3Config, K3ConfigError, get_config, is_complete_config, read_config_file
+from k3.fileio import loads_json
 
 
 def add_config_args(p: argparse.ArgumentParser, default: str = "mini") -> None:
@@ -29,7 +30,7 @@ def config_from_args(args: argparse.Namespace) -> K3Config:
         if not sep or key not in fields:
             raise K3ConfigError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
         try:
-            value = json.loads(raw)
+            value = loads_json(raw)
         except json.JSONDecodeError:
             value = raw  # bare strings such as attnres=full
         if fields[key].type in ("str", str) and not isinstance(value, str):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from k3.cli_checks import MATPLOTLIB_PLOTS, add_flags, at_least, from_args, output_file, output_png, seed as seed_type
 from k3.data.tokenizer import check_vocab_size
+from k3.fileio import loads_json
 
 DEFAULT_ROOT = "runs/rl/exp"
 
@@ -168,8 +169,6 @@ def _report_kind(report: dict) -> str:
 def _check_report_out(root: Path, out: Path, kind: str) -> None:
     """A report's --out: a file path, not one of the experiment's own files (demonstrations, tokenizer), and, when
     it exists, an earlier report of the same command (`k3 rl eval` or `k3 rl intent`) that may be replaced."""
-    import json
-
     from k3.data.tokenizer import SETTINGS_FILE
     output_file("--out", out)
     own = {(root / n).resolve() for n in ("demos.jsonl", "tokenizer.json", SETTINGS_FILE)}
@@ -178,7 +177,7 @@ def _check_report_out(root: Path, out: Path, kind: str) -> None:
                          "another path")
     if out.is_file():
         try:
-            earlier = json.loads(out.read_text(encoding="utf-8"))
+            earlier = loads_json(out.read_text(encoding="utf-8"))
         except (OSError, ValueError, UnicodeDecodeError):
             earlier = None
         if not isinstance(earlier, dict) or "models" not in earlier:

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from k3.train.metrics import read_metrics  # noqa: E402
 from k3.train.plots import _ema, save_figure  # noqa: E402
+from k3.fileio import loads_json
 
 
 def reward_curve(path: str | os.PathLike) -> tuple[list[int], list[float]]:
@@ -36,7 +37,7 @@ def read_eval_report(path: str | os.PathLike) -> dict:
     path = Path(path)
     fix = "`k3 rl eval` writes one (ROOT/eval.json, or its --out): pass that as --eval"
     try:
-        report = json.loads(path.read_text())
+        report = loads_json(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON ({e}); {fix}") from None
     if not isinstance(report, dict) or not isinstance(report.get("models"), dict):

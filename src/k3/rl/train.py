@@ -31,7 +31,7 @@ from k3.agentenv.sandbox import SandboxConfig
 from k3.cli_checks import FieldError, flag
 from k3.distill.loop import LoopConfig, StepLoop
 from k3.distill.sft import PAD_ID, masked_ce
-from k3.fileio import atomic_write_json
+from k3.fileio import atomic_write_json, loads_json
 from k3.model.moe import balancing_token_mask
 from k3.rl.demos import collect_demos, episode_tokens, pad_batch
 from k3.rl.family import KINDS, build_tasks
@@ -63,7 +63,7 @@ def read_demos(path: str | os.PathLike) -> tuple[dict | None, list[dict]]:
     """ROOT/demos.jsonl -> (the settings line, the demonstrations); a damaged file is a ValueError naming it."""
     path = Path(path)
     try:
-        rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        rows = [loads_json(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is damaged ({e}); delete it and `k3 rl warmstart` collects the demonstrations "
                          "again (the same flags give the same ones)") from None

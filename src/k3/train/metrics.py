@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from k3.fileio import atomic_write_text
+from k3.fileio import atomic_write_text, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             if not line:
                 continue
             try:
-                out.append(json.loads(line))
+                out.append(loads_json(line))
             except json.JSONDecodeError:
                 log.warning("%s: skipping a malformed line", path)
     return out
