@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.cli_checks import FieldError, flag, seed as seed_type
+from k3.cli_checks import FieldError, flag, flag_name, seed as seed_type
 from k3.train import checkpoint as ckpt
 from k3.train.schedule import WSDSchedule
 
@@ -120,8 +120,8 @@ DATA_FIELDS = ("tokenizer_hash", "train_tokens")  # data_info entries a resume m
 # `steps` may grow: the schedule is re-planned for the new total, as documented)
 SCHEDULE_FIELDS = ("lr", "warmup_steps", "warmup_frac", "decay_frac", "min_lr_ratio", "schedule_shape",
                    "weight_decay", "betas", "momentum", "grad_clip", "qk_clip_tau")
-_SCHEDULE_FLAGS = {"lr": "--lr", "warmup_steps": "--warmup-steps"}  # the ones `k3 train` exposes
 
+_FLAGGED = ("lr", "warmup_steps")  # settings every training command takes as flags
 
 
 def check_schedule_fields(recorded: dict | None, tc: "TrainConfig", where: str) -> None:
@@ -133,7 +133,7 @@ def check_schedule_fields(recorded: dict | None, tc: "TrainConfig", where: str) 
         have, now = recorded[k], getattr(tc, k)
         if (list(have) if isinstance(have, (list, tuple)) else have) != \
                 (list(now) if isinstance(now, (list, tuple)) else now):
-            flag = _SCHEDULE_FLAGS.get(k)
+            flag = flag_name(TrainConfig, k) if k in _FLAGGED else None
             fix = (f"resume with {flag} {have}" if have is not None else f"resume without {flag}") if flag else \
                 f"resume with TrainConfig({k}={have!r})"
             raise ckpt.CheckpointError(f"{where}: {k} is {have!r} in the checkpoint but {now!r} now; {fix} "
