@@ -81,6 +81,19 @@ def test_fp32_greedy_tokens_match_with_batch_of_eight(tiny_model):
     _same(off, on, atol=1e-4)
 
 
+def test_sessions_that_start_together_prefill_the_shared_prompt_once(model64):
+    """Requests admitted in one step that share whole blocks: the later ones wait for the first to compute them
+    and then start from its snapshot, instead of all prefilling the system prompt side by side."""
+    g = torch.Generator().manual_seed(10)
+    system = _rand(g, 53)  # three whole blocks of 16, then five tokens inside the fourth
+    prompts = [system + _rand(g, 4 + i) for i in range(4)]
+    eng = _engine(model64, True, max_batch=4)
+    on = eng.generate(prompts, GREEDY)
+    assert [r.cached_tokens for r in on] == [0, 48, 48, 48]
+    assert eng.prefill_tokens == sum(len(p) for p in prompts) - 3 * 48
+    _same(_engine(model64, False, max_batch=4).generate(prompts, GREEDY), on)
+
+
 def test_prompts_diverging_inside_a_block_reuse_the_last_boundary(model64):
     g = torch.Generator().manual_seed(4)
     base = _rand(g, 60)

@@ -9,8 +9,9 @@ row; drops finished rows (`HybridCache.select`). Every request samples with its 
 The scheduling (Orca's iteration-level batching, Sarathi's chunked prefill): docs/serving.md.
 
 With a prefix cache (`prefix_cache_bytes` > 0, k3.serve.prefix_cache) an admitted request starts from the longest
-snapshotted prefix of its prompt, and prefill pieces end at the cache's block boundaries so that each one leaves
-a snapshot. A request whose prompt equals one still prefilling waits for it and forks its cache (n > 1).
+snapshotted prefix of its prompt (or waits while an earlier request computes whole blocks they share), and prefill
+pieces end at the cache's block boundaries so that each one leaves a snapshot. A request whose prompt equals one
+still prefilling waits for it and forks its cache (n > 1).
 Logprobs, when asked for, are log_softmax of the logits the token was sampled from: after the penalties,
 divided by the temperature (1 when greedy), before top-k and top-p.
 """
@@ -101,6 +102,7 @@ class Request:
     _markers: list[tuple[int, int]] = field(default_factory=list)  # spans of kept special tokens in `text`
     _done: threading.Event = field(default_factory=threading.Event)
     _leader: "Request | None" = None  # the request with the same prompt whose prefill this one forks
+    _seen_inserts: int = -1  # the prefix cache's insert count when this request last looked in it
     _followers: list["Request"] = field(default_factory=list)
 
     @property
@@ -288,6 +290,7 @@ class Engine:
             r.cache = self.model.new_cache()
             if self.prefix is not None and r.prompt_logprobs is None:  # prompt logprobs need every position's logits
                 n, cache = self.prefix.match(r.prompt_ids)
+                r._seen_inserts = self.prefix.inserts
                 if n:
                     r.cache, r.prefilled, r.cached_tokens = cache, n, n
         self.prefilling.append(r)
@@ -328,18 +331,49 @@ class Engine:
         ready: list[tuple[Request, torch.Tensor]] = []
         B = self.prefix.block if self.prefix is not None else None
         active = [r for r in self.prefilling if r._leader is None]  # followers wait for their leader's prefill
+        if self.prefix is not None:
+            active = self._share_prefixes(active)
         fits = self.prefill_chunk if B is None else min(self.prefill_chunk, B)  # with a prefix cache: no block inside
         whole = [r for r in active if r.prefilled == 0 and len(r.prompt_ids) <= fits]
         packed = self.packed_prefill and len(whole) > 1
         if packed:
             ready += self._packed_prefill(whole)
-        groups: dict[tuple[int, bool], list[Request]] = collections.defaultdict(list)
-        for r in active:
-            if packed and r in whole:
+        # each request feeds up to prefill_chunk tokens this round; with a prefix cache in several pieces that end
+        # at block boundaries, where it takes a snapshot
+        budget = {id(r): self.prefill_chunk for r in active if not (packed and r in whole)}
+        todo = [r for r in active if id(r) in budget]
+        while todo:
+            ready += self._prefill_pieces(todo, budget, B)
+            todo = [r for r in todo if budget[id(r)] > 0 and r.prefilled < len(r.prompt_ids)]
+        return self._finish_prefill(ready, done)
+
+    def _share_prefixes(self, active: list[Request]) -> list[Request]:
+        """Requests that have computed nothing of their own yet take what the prefix cache gained since they last
+        looked, and wait while an earlier request is still computing the blocks they share with it (so that
+        sessions that start together with one system prompt prefill it once). Returns those that go on."""
+        B, go = self.prefix.block, []
+        for i, r in enumerate(active):
+            if r.prefilled != r.cached_tokens or r.prompt_logprobs is not None:
+                go.append(r)
                 continue
-            n = min(self.prefill_chunk, len(r.prompt_ids) - r.prefilled)
-            if B is not None:  # a piece ends at the next block boundary, where the prefix cache takes a snapshot
+            if r._seen_inserts != self.prefix.inserts:
+                r._seen_inserts = self.prefix.inserts
+                n, cache = self.prefix.match(r.prompt_ids, longer_than=r.prefilled)
+                if n:
+                    r.cache, r.prefilled, r.cached_tokens = cache, n, n
+            if not any(q.prefilled < _shared_blocks(r.prompt_ids, q.prompt_ids, B, r.prefilled) for q in active[:i]):
+                go.append(r)
+        return go
+
+    def _prefill_pieces(self, rs: list[Request], budget: dict[int, int], B: int | None) -> list[tuple]:
+        """One forward per group of equal-length next pieces; returns (request, logits) for prompts now done."""
+        ready = []
+        groups: dict[tuple[int, bool], list[Request]] = collections.defaultdict(list)
+        for r in rs:
+            n = min(budget[id(r)], len(r.prompt_ids) - r.prefilled)
+            if B is not None:
                 n = min(n, B - r.prefilled % B)
+            budget[id(r)] -= n
             groups[(n, r.cache.batch_size is None)].append(r)
         for (n, _fresh), rs in groups.items():
             ids = torch.tensor([r.prompt_ids[r.prefilled:r.prefilled + n] for r in rs], device=self.device)
@@ -359,6 +393,9 @@ class Engine:
                     self.prefix.insert(r.prompt_ids, r.prefilled, r.cache)
             for j, i in enumerate(last):
                 ready.append((rs[i], logits[j]))
+        return ready
+
+    def _finish_prefill(self, ready: list[tuple[Request, torch.Tensor]], done: list[Request]) -> list[Request]:
         forked = []
         for r, logits in ready:  # followers take the leader's cache and logits: one prefill for identical prompts
             forked.append((r, logits))
@@ -550,6 +587,14 @@ class Engine:
         except Exception:  # a broken consumer must not take the batch down with it
             log.exception("event callback of %s failed; cancelling it", ev.request.id)
             ev.request.cancelled = True
+
+
+def _shared_blocks(a: list[int], b: list[int], block: int, start: int) -> int:
+    """Tokens in whole blocks that a and b share from the start, within a[:-1] (0 if not beyond `start`)."""
+    limit, i = min(len(a) - 1, len(b)), 0
+    while i + block <= limit and a[i:i + block] == b[i:i + block]:
+        i += block
+    return i if i > start else 0
 
 
 def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:

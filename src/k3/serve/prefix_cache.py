@@ -47,7 +47,8 @@ class PrefixCache:
     """Snapshots of batch-1 `HybridCache`s keyed by the tokens they have seen.
 
     `match(ids)` -> (n, cache): the longest prefix of `ids` (shorter than `ids`: the last token is always
-    computed, for its logits) with a snapshot, and a fresh batch-1 cache that has seen it; (0, None) on a miss.
+    computed, for its logits) with a snapshot, and a fresh batch-1 cache that has seen it; (0, None) on a miss
+    (or, with `longer_than`, when nothing longer than that is cached: a request looking again).
     `insert(ids, n, cache)` records `cache`, which has seen `ids[:n]`, at n (a multiple of `block` or the end of
     a prompt)."""
 
@@ -75,9 +76,10 @@ class PrefixCache:
             node, pos = child, pos + B
         return path
 
-    def match(self, ids: list[int]) -> tuple[int, HybridCache | None]:
-        self.lookups += 1
-        self.tokens_looked_up += len(ids)
+    def match(self, ids: list[int], longer_than: int = 0) -> tuple[int, HybridCache | None]:
+        if not longer_than:
+            self.lookups += 1
+            self.tokens_looked_up += len(ids)
         limit = len(ids) - 1
         path = self._path(ids, limit)
         best = max((i for i, n in enumerate(path) if n.kda is not None), default=-1)
@@ -98,11 +100,13 @@ class PrefixCache:
             path = path[:best + 1]
         else:
             return 0, None
+        n = path[-1].end
+        if n <= longer_than:
+            return 0, None
         for node in reversed(path):  # leaves older than their parents: LRU eviction meets children first
             self._lru.move_to_end(node)
-        self.hits += 1
-        n = path[-1].end
-        self.tokens_reused += n
+        self.hits += not longer_than
+        self.tokens_reused += n - longer_than
         return n, self._build(path)
 
     def _build(self, path: list[_Node]) -> HybridCache:
