@@ -344,6 +344,23 @@ HEADLINES = {
         ("overload.other_errors", "k3 serve non-429 errors at 2x the queue bound", "0"),
         ("engine_only.speedup_vs_max_batch_1", "in-process engine tokens/s, batch 8 / batch 1 (no HTTP)", ""),
     ],
+    "serve_prefix": [
+        ("ttft_p50_speedup", "mini, 8 agent sessions x 6 turns, 4,096-token shared system prompt: time to first token "
+                             "p50, prefix cache off / on (1 thread)", ">= 5x"),
+        ("ttft_p99_speedup", "same, time to first token p99, off / on", ""),
+        ("on.ttft_p50_s", "time to first token p50 with the prefix cache (s)", ""),
+        ("off.ttft_p50_s", "time to first token p50 without it (s)", ""),
+        ("on.ttft_p99_s", "time to first token p99 with the prefix cache (s)", ""),
+        ("off.ttft_p99_s", "time to first token p99 without it (s)", ""),
+        ("throughput_speedup", "completion tokens/s, prefix cache on / off", ""),
+        ("on.completion_tokens_per_s", "completion tokens/s with the prefix cache", ""),
+        ("prefill_tokens_saved", "share of prompt tokens not prefilled with the prefix cache", ""),
+        ("replies_identical", "greedy replies identical with the cache on and off", "True"),
+        ("single.ttft_speedup", "one session's second turn alone (4,320 tokens, 4,192 cached): time to first token "
+                                "off / on", ""),
+        ("fork.speedup", "n = 8 completions of one 4,096-token prompt: forked prefill vs 8 prefills, time to the "
+                         "last first token", ""),
+    ],
     "ep": [
         ("latent_payload_ratio", "EP all-to-all bytes/token/MoE layer, LatentMoE / standard MoE (mini, 2 ranks)", "0.5"),
         ("bytes_per_token_per_moe_layer.latent.forward", "LatentMoE EP bytes/token/MoE layer, forward (fp32)", ""),

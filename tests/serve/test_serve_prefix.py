@@ -90,6 +90,8 @@ def test_sessions_that_start_together_prefill_the_shared_prompt_once(model64):
     eng = _engine(model64, True, max_batch=4)
     on = eng.generate(prompts, GREEDY)
     assert [r.cached_tokens for r in on] == [0, 48, 48, 48]
+    st = eng.prefix.stats()
+    assert (st["lookups"], st["hits"], st["tokens_reused"]) == (4, 3, 3 * 48)  # looking again is not a lookup
     assert eng.prefill_tokens == sum(len(p) for p in prompts) - 3 * 48
     _same(_engine(model64, False, max_batch=4).generate(prompts, GREEDY), on)
 
@@ -238,3 +240,12 @@ def test_a_cancelled_leader_hands_its_prefill_to_a_follower(tiny_model):
     assert lead.finish_reason == "cancelled"
     assert f1.output_ids == want and f2.output_ids == want
     assert eng.prefill_tokens == len(ids)
+
+
+def test_benchmark_smoke_run(load_benchmark):
+    """benchmarks/serve_prefix.py --quick (tiny, 3 sessions x 3 turns): both modes run and agree."""
+    res = load_benchmark("serve_prefix").main(["--quick"])
+    assert res["replies_identical"] and res["fork"]["same_tokens"]
+    assert res["on"]["prefill_tokens"] < res["off"]["prefill_tokens"] == res["off"]["prompt_tokens"]
+    assert res["on"]["prefix_cache"]["hits"] > 0 and res["single"]["on"]["cached_tokens"] > 0
+    assert res["ttft_p50_speedup"] > 0

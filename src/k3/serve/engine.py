@@ -358,7 +358,7 @@ class Engine:
                 continue
             if r._seen_inserts != self.prefix.inserts:
                 r._seen_inserts = self.prefix.inserts
-                n, cache = self.prefix.match(r.prompt_ids, longer_than=r.prefilled)
+                n, cache = self.prefix.match(r.prompt_ids, longer_than=r.prefilled, again=True)
                 if n:
                     r.cache, r.prefilled, r.cached_tokens = cache, n, n
             if not any(q.prefilled < _shared_blocks(r.prompt_ids, q.prompt_ids, B, r.prefilled) for q in active[:i]):

@@ -48,7 +48,8 @@ class PrefixCache:
 
     `match(ids)` -> (n, cache): the longest prefix of `ids` (shorter than `ids`: the last token is always
     computed, for its logits) with a snapshot, and a fresh batch-1 cache that has seen it; (0, None) on a miss
-    (or, with `longer_than`, when nothing longer than that is cached: a request looking again).
+    (or, with `longer_than`, when nothing longer than that is cached). `again`: a request that looked before looks
+    again (not counted as a lookup).
     `insert(ids, n, cache)` records `cache`, which has seen `ids[:n]`, at n (a multiple of `block` or the end of
     a prompt)."""
 
@@ -76,8 +77,8 @@ class PrefixCache:
             node, pos = child, pos + B
         return path
 
-    def match(self, ids: list[int], longer_than: int = 0) -> tuple[int, HybridCache | None]:
-        if not longer_than:
+    def match(self, ids: list[int], longer_than: int = 0, again: bool = False) -> tuple[int, HybridCache | None]:
+        if not again:
             self.lookups += 1
             self.tokens_looked_up += len(ids)
         limit = len(ids) - 1
