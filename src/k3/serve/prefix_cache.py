@@ -127,8 +127,8 @@ class PrefixCache:
     def insert(self, ids: list[int], n: int, cache: HybridCache) -> None:
         """Record `cache` (batch 1, no padding, has seen ids[:n]) at n. Blocks on the way that are not in the
         tree (never inserted, or evicted) are added with their latents and no snapshot."""
-        if self.max_bytes == 0 or n < 1:
-            return
+        if self.max_bytes == 0 or n < 1 or any(isinstance(s, MLACache) and s.key_mask is not None for s in cache.slots):
+            return  # a padded row (never the engine's batch-1 prefill caches): its columns are not its positions
         node, pos, B = self.root, 0, self.block
         path = []
         while pos < n:
