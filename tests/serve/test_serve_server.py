@@ -256,6 +256,18 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model, serve_tokenizer)
                                                    temperature=-1)
     assert e.value.body["param"] == "temperature"
     assert http.get("/health").json()["status"] == "ok"  # still serving
+    # what OpenAI refuses: a tool message without tool_call_id, tool-call arguments that are not JSON
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = lambda args, tool: [{"role": "user", "content": "x"},  # noqa: E731
+                                {"role": "assistant", "content": None, "tool_calls": [
+                                    {**call, "function": {"name": "f", "arguments": args}}]}, tool]
+    err = _error(post("/v1/chat/completions", {"model": MODEL, "messages": turns(
+        "{}", {"role": "tool", "content": "out"})}), 400, "messages")
+    assert "messages[2].tool_call_id" in err["message"]
+    for args in ("{not json", "[" * 5000, '{"a": 1'):
+        err = _error(post("/v1/chat/completions", {"model": MODEL, "messages": turns(
+            args, {"role": "tool", "tool_call_id": "c1", "content": "out"})}), 400, "messages")
+        assert "messages[1].tool_calls[0].function.arguments" in err["message"]
     # the edges of the new parameters answer 200, never a 5xx
     ok = [post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 20, "echo": True, "max_tokens": 0}),
           post("/v1/completions", {"model": MODEL, "prompt": [5], "logprobs": 0, "echo": True, "max_tokens": 0,
@@ -263,7 +275,9 @@ def test_bad_requests_get_openai_errors(server_url, tiny_model, serve_tokenizer)
           post("/v1/completions", {"model": MODEL, "prompt": ["", "y"], "logprobs": 2, "echo": True, "n": 2,
                                    "max_tokens": 1, "temperature": 1e-9}),
           chat(logprobs=True, top_logprobs=20, stream=True), chat(logprobs=False, top_logprobs=0),
-          chat(logprobs=True, n=3, temperature=2, repetition_penalty=1e-4)]
+          chat(logprobs=True, n=3, temperature=2, repetition_penalty=1e-4),
+          post("/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "messages": turns(
+              {"a": 1}, {"role": "tool", "tool_call_id": "c1", "content": "out"})})]
     assert [r.status_code for r in ok] == [200] * len(ok), [r.text for r in ok]
     http.close()
 

@@ -473,6 +473,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         base = dataclasses.replace(base, stop_token_ids=tuple(sorted(set(base.stop_token_ids) | set(chat_stops))),
                                    skip_special_tokens=False)
         _check_text_fits(_content_bytes(body.get("messages")), tok, engine.max_context, "messages")
+        _check_tool_messages(body.get("messages"))
         try:
             ids = render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
         except ChatFormatError as e:
@@ -555,6 +556,27 @@ def _check_text_fits(nbytes: int, tok, max_context: int, param: str) -> None:
     if least >= max_context:
         raise bad(f"this model's maximum context length is {max_context} tokens, but the {param} holds {nbytes:,} "
                   f"bytes of text, at least {least:,} tokens; shorten it", param, "context_length_exceeded")
+
+
+def _check_tool_messages(messages) -> None:
+    """What OpenAI refuses, refused here too: a tool message that names no tool call (`tool_call_id`), and tool-call
+    arguments given as a string that is not JSON (an object is taken as it is)."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise bad(f"messages[{i}].tool_call_id is missing: a tool message answers one tool call, named by its id",
+                      "messages")
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        for j, call in enumerate(calls if isinstance(calls, list) else []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str) and args.strip():
+                try:
+                    json.loads(args)
+                except (ValueError, RecursionError):
+                    raise bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: give the "
+                              "arguments as a JSON object serialised to a string", "messages") from None
 
 
 def _content_bytes(messages) -> int:
