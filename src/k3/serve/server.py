@@ -642,8 +642,8 @@ def _finite(v: float) -> float:
 
 class _TokenText:
     """A token's text and bytes for logprobs (OpenAI's `token` and `bytes`): the raw bytes of a byte-level BPE
-    token, and as text their UTF-8 decoding, or, for a token that holds part of a character, `bytes:\\xNN..` (as
-    vLLM writes it), so that different tokens never share a text (completions key top_logprobs by it)."""
+    token, and as text their UTF-8 decoding, or, for a token that holds part of a character, `bytes:\\xNN..`, so
+    that different tokens never share a text (completions key top_logprobs by it)."""
 
     def __init__(self, tok):
         self.tok, self._memo = tok, {}
