@@ -7,6 +7,11 @@
 (`k3 export --format hf`), or a folder in the released layout of Kimi-Linear (`model_type` kimi_linear) or
 Kimi K3 (kimi_k3), single-file or sharded (k3.io.kimi). `device="meta"` gives the structure without reading
 any tensor.
+
+    model = k3.load(path, experts="stream", ram_budget="8GB")   # routed experts read from disk as used
+
+streams the MXFP4 routed experts of a released folder from its files through a cache bounded in bytes, the rest
+resident (k3.io.stream; docs/serving.md).
 """
 from __future__ import annotations
 
@@ -20,15 +25,30 @@ from k3.io.kimi import CheckpointFormatError, config_model_type, is_kimi_folder,
 __all__ = ["load", "load_with_manifest", "CheckpointFormatError", "is_kimi_folder"]
 
 
-def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
+def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu",
+                       experts: str = "resident", ram_budget=None, prefetch: bool = True):
     """(K3Model in eval mode, manifest dict) for any checkpoint k3.load accepts. The manifest is k3's own for
     k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
     p = Path(path)
     mt = config_model_type(p) if p.is_dir() else None
     tok = p / "tokenizer.json"
     shipped = {"tokenizer": str(tok)} if tok.is_file() else {}  # an export's or a release's own tokenizer
-    if mt in ("kimi_linear", "kimi_k3"):
+    if experts not in ("resident", "stream"):
+        raise ValueError(f"experts = {experts!r}: use 'resident' (all in memory) or 'stream' (read from disk)")
+    if experts == "stream":
+        if ram_budget is None:
+            raise ValueError("experts='stream' needs ram_budget (e.g. '8GB'): the RAM for the trunk and the expert "
+                             "cache together")
+        if mt not in ("kimi_linear", "kimi_k3") or str(device) != "cpu":
+            raise ValueError(f"experts='stream' reads the MXFP4 routed experts of a released kimi_k3 folder on the "
+                             f"CPU; {p} is {mt or 'not a released folder'} (device {device}): export it with "
+                             "`k3 export --format kimi`, or load it with experts='resident'")
+        from k3.io.stream import load_streaming
+
+        model = load_streaming(p, ram_budget, dtype=dtype, prefetch=prefetch)
+    elif mt in ("kimi_linear", "kimi_k3"):
         model = load_kimi(p, dtype=dtype, device=device)
+    if mt in ("kimi_linear", "kimi_k3"):
         # what k3's commands read from a manifest: the path, no training step, the tokenizer shipped beside it
         return model, {"path": str(p), "step": None, "source": str(p), "model_type": mt,
                        "config": model.config.to_dict(), "data": shipped}
@@ -63,6 +83,8 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
     return model.eval(), manifest
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu"):
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu", experts: str = "resident",
+         ram_budget=None, prefetch: bool = True):
     """K3Model (eval mode) from any checkpoint k3 reads; see the module docstring."""
-    return load_with_manifest(path, dtype=dtype, device=device)[0]
+    return load_with_manifest(path, dtype=dtype, device=device, experts=experts, ram_budget=ram_budget,
+                              prefetch=prefetch)[0]

@@ -1,0 +1,112 @@
+"""Streamed routed experts (k3.io.stream): a tiny kimi_k3 folder written locally in the released layout, loaded
+resident and streamed through a cache that holds a fraction of its experts; logits, greedy tokens, the cache's
+bound, the prefetch and the refused budget."""
+import pytest
+import torch
+
+import k3
+from k3.config import get_config
+from k3.io.export import export_kimi
+from k3.io.stream import PARTS, _dequant_into, parse_bytes
+from k3.model.transformer import K3Model
+from k3.quant.export import unpack_expert_weight
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from k3.train.checkpoint import save_checkpoint
+
+    tmp = tmp_path_factory.mktemp("stream")
+    torch.manual_seed(0)
+    cfg = get_config("tiny", qat={"expert_weights": "mxfp4"}, kda_norm_eps=1e-6)
+    model = K3Model(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 1 / p.shape[-1] ** 0.5) if p.dim() >= 2 else p.add_(0.3 * torch.randn_like(p))
+        for m in model.moe_layers():
+            m.router.bias.normal_(0, 0.1)
+    save_checkpoint(tmp / "ckpt", 1, model, config=cfg)
+    out, _ = export_kimi(tmp / "ckpt", tmp / "release")
+    return out
+
+
+def _budget(model, experts_cached: int) -> int:
+    info = model.stream_info
+    return info["ram_budget"] - info["cache_capacity"] + experts_cached * info["expert_bytes"]
+
+
+def _streamed(folder, experts_cached=None, prefetch=True):
+    big = k3.load(folder, experts="stream", ram_budget="1GB", prefetch=prefetch)
+    if experts_cached is None:
+        return big
+    budget = _budget(big, experts_cached)
+    big.expert_cache.close()
+    return k3.load(folder, experts="stream", ram_budget=budget, prefetch=prefetch)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_streamed_equals_resident(folder, prefetch):
+    resident = k3.load(folder)
+    cfg = resident.config
+    n_moe = len(resident.moe_layers())
+    # a cache for about a third of the experts: every forward evicts and reads again
+    streamed = _streamed(folder, experts_cached=max(cfg.n_active_experts, cfg.n_experts * n_moe // 3), prefetch=prefetch)
+    try:
+        ids = torch.randint(3, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            a, b = resident(ids), streamed(ids)
+            assert (a - b).abs().max().item() <= 1e-6
+            prompt = ids[:1, :5]
+            ga = resident.generate(prompt, max_new_tokens=10)
+            gb = streamed.generate(prompt, max_new_tokens=10)
+        assert ga.tolist() == gb.tolist()
+        s = streamed.expert_cache.stats()
+        assert s["misses"] > 0 and s["hits"] > 0 and s["bytes_read"] > 0
+        assert s["cache_bytes"] <= s["capacity_bytes"]  # back under the bound once nothing is pinned
+        assert (s["prefetched"] > 0) == prefetch
+    finally:
+        streamed.expert_cache.close()
+
+
+def test_one_read_per_expert_in_the_released_layout(folder):
+    m = _streamed(folder)
+    try:
+        store = m.expert_cache.store
+        store.read(0, 3)
+        assert store.reads == 1 and store.bytes_read == store.expert_bytes
+    finally:
+        m.expert_cache.close()
+
+
+def test_dequant_into_equals_the_resident_unpacking(folder):
+    m = _streamed(folder)
+    try:
+        packed = m.expert_cache.store.read(1, 2)
+        for i, w in enumerate(("w1", "w3", "w2")):
+            codes, scales = packed[2 * i].unsqueeze(0), packed[2 * i + 1].unsqueeze(0)
+            out = torch.empty(codes.numel() * 2)
+            assert torch.equal(_dequant_into(codes, scales, out).transpose(1, 2),
+                               unpack_expert_weight(codes, scales, "mxfp4")), w
+        assert len(packed) == len(PARTS)
+    finally:
+        m.expert_cache.close()
+
+
+def test_budget_below_trunk_plus_one_layer_is_refused(folder):
+    m = _streamed(folder)
+    need = m.stream_info["min_budget"]
+    m.expert_cache.close()
+    with pytest.raises(ValueError, match=r"below what .* needs .* trunk .* give at least"):
+        k3.load(folder, experts="stream", ram_budget=need - 1)
+    k3.load(folder, experts="stream", ram_budget=need).expert_cache.close()
+
+
+def test_stream_needs_a_budget_and_parse_bytes():
+    assert parse_bytes("8GB") == 8 * 10**9 and parse_bytes("1.5 GiB") == int(1.5 * 2**30) and parse_bytes(100) == 100
+    for bad in ("eight", "-1GB", "0", "3 parsecs"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="ram_budget"):
+        k3.load(".", experts="stream")
+    with pytest.raises(ValueError, match="released"):
+        k3.load(".", experts="stream", ram_budget="1GB")
