@@ -25,7 +25,12 @@ def folder(tmp_path_factory):
             p.normal_(0, 1 / p.shape[-1] ** 0.5) if p.dim() >= 2 else p.add_(0.3 * torch.randn_like(p))
         for m in model.moe_layers():
             m.router.bias.normal_(0, 0.1)
-    save_checkpoint(tmp / "ckpt", 1, model, config=cfg)
+    from k3.data.corpus import open_corpus
+    from k3.data.tokenizer import train_tokenizer
+
+    texts = [t for _, t in open_corpus().documents("train", max_bytes=100_000)]
+    tok = train_tokenizer(texts, cfg.vocab_size, path=tmp / "tok")  # shipped beside the export, for the server
+    save_checkpoint(tmp / "ckpt", 1, model, config=cfg, data_state={"tokenizer": str(tok.path)})
     out, _ = export_kimi(tmp / "ckpt", tmp / "release")
     return out
 
@@ -110,3 +115,27 @@ def test_stream_needs_a_budget_and_parse_bytes():
         k3.load(".", experts="stream")
     with pytest.raises(ValueError, match="released"):
         k3.load(".", experts="stream", ram_budget="1GB")
+
+
+def test_serving_loads_streamed_and_the_flags_are_checked(folder, capsys):
+    pytest.importorskip("fastapi")
+    from k3.cli import main
+    from k3.serve.engine import Engine
+    from k3.serve.server import load_for_serving
+
+    model, _, manifest = load_for_serving(folder, experts="stream", ram_budget="1GB")
+    try:
+        assert manifest["model_type"] == "kimi_k3" and model.expert_cache is not None
+        ids = torch.tensor([[5, 6, 7]])
+        with torch.no_grad():
+            want = k3.load(folder).generate(ids, max_new_tokens=4)
+            assert model.generate(ids, max_new_tokens=4).tolist() == want.tolist()
+        assert Engine(model, None).model is model
+    finally:
+        model.expert_cache.close()
+    assert main(["serve", "--ckpt", str(folder), "--ram-budget", "8GB"]) != 0
+    assert "--stream-experts" in capsys.readouterr().err
+    assert main(["serve", "--ckpt", str(folder), "--stream-experts"]) != 0
+    assert "--ram-budget" in capsys.readouterr().err
+    assert main(["serve", "--ckpt", str(folder), "--stream-experts", "--ram-budget", "1KB"]) != 0
+    assert "give at least" in capsys.readouterr().err

@@ -31,7 +31,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from k3.serve.engine import Engine
 
     threads = set_threads(args.threads)
-    model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, resolve_device(args.device))
+    stream = {}
+    if args.stream_experts:  # checked before anything is read
+        from k3.io.stream import parse_bytes
+
+        if args.ram_budget is None:
+            raise ValueError("--stream-experts needs --ram-budget (e.g. 8GB): the RAM for the trunk and the expert cache")
+        stream = dict(experts="stream", ram_budget=parse_bytes(args.ram_budget, "--ram-budget"),
+                      prefetch=not args.no_prefetch)
+    elif args.ram_budget is not None:
+        raise ValueError("--ram-budget bounds the streamed experts' cache; add --stream-experts (or drop it)")
+    model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config,
+                                                  "cpu" if stream else resolve_device(args.device), **stream)
     socks = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -103,6 +114,13 @@ def register(sub) -> None:
                         "cached prompt's end (default 256)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat reply length when the request gives no max_tokens (default 256)")
+    p.add_argument("--stream-experts", action="store_true",
+                   help="keep the routed experts of a released MXFP4 folder on disk and read them as used, through a "
+                        "cache bounded by --ram-budget (CPU; docs/serving.md)")
+    p.add_argument("--ram-budget", default=None, metavar="SIZE",
+                   help="with --stream-experts: RAM for the trunk and the expert cache together, e.g. 8GB")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="with --stream-experts: no lookahead prefetch of the next layer's experts")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $K3_API_KEY, else none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (default: torch's choice)")

@@ -110,8 +110,9 @@ class EngineWorker:
 
 # ---------------------------------------------------------------------- loading
 def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike | None = None,
-                     config_path: str | os.PathLike | None = None, device: str = "cpu"):
-    """(model, tokenizer, manifest) with every mismatch found now, not at the first request."""
+                     config_path: str | os.PathLike | None = None, device: str = "cpu", **load_kw):
+    """(model, tokenizer, manifest) with every mismatch found now, not at the first request; `load_kw` goes to
+    k3.io.load_with_manifest (experts="stream", ram_budget=...)."""
     from k3.config import K3Config, is_complete_config, read_config_file
     from k3.train.checkpoint import check_config
     from k3.io import load_with_manifest
@@ -119,7 +120,7 @@ def load_for_serving(ckpt: str | os.PathLike, tokenizer_path: str | os.PathLike 
 
     if config_path is not None:  # read before the model is loaded: a bad file is named at once
         want = read_config_file(config_path)
-    model, manifest = load_with_manifest(ckpt, device=device)
+    model, manifest = load_with_manifest(ckpt, device=device, **load_kw)
     if config_path is not None:
         # a partial file names the fields to check, the rest are the checkpoint's (a complete one stands alone)
         if not is_complete_config(want):
