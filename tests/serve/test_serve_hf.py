@@ -251,8 +251,10 @@ def test_export_hf_from_a_training_checkpoint(tok, serve_tokenizer, tmp_path):
         {p.name for p in out.iterdir()}
     umask = os.umask(0o022)
     os.umask(umask)
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
-        {p.name: 0o666 & ~umask for p in out.iterdir()}  # safetensors made model.safetensors 0600
+    files = [p for p in out.rglob("*") if p.is_file()]  # (named chat templates sit in a folder of their own)
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == \
+        {p.name: 0o666 & ~umask for p in files}  # safetensors made model.safetensors 0600
+    assert (out / "additional_chat_templates" / "kimi-k3.jinja").is_file()
     hf, hf_tok = load_hf(out)
     # generate() stops where the server does: <|eos|>, <|end|> and the role tokens
     assert set(hf.generation_config.eos_token_id) == {SPECIAL_TOKENS.index(t) for t in

@@ -720,3 +720,29 @@ def test_prefix_cache_through_the_server_and_metrics(tiny_model, serve_tokenizer
         assert float(metrics["k3_prefix_cache_tokens_reused_total"]) >= first.usage.prompt_tokens
         assert 0 < float(metrics["k3_prefix_cache_bytes"]) <= 1 << 24
         assert httpx.get(url + "/health").json()["prefix_cache"]["hits"] >= 1
+
+
+def test_chat_in_kimi_k3_format(tiny_model_factory, serve_tokenizer):
+    """--chat-format kimi-k3: the reply's think, response and tools elements come back as reasoning_content,
+    content and tool_calls, streamed or not, and <|end_of_msg|> ends it."""
+    parts = ["plan", "<|close|>", "think", "<|sep|>", "<|open|>", "response", "<|sep|>", "hi there", "<|close|>",
+             "response", "<|sep|>", "<|open|>", "tools", "<|sep|>", "<|open|>", 'call tool="f" index="1"', "<|sep|>",
+             "<|open|>", 'argument key="x" type="number"', "<|sep|>", "1", "<|close|>", "argument", "<|sep|>",
+             "<|close|>", "call", "<|sep|>", "<|close|>", "tools", "<|sep|>", "<|close|>", "message", "<|sep|>",
+             "<|end_of_msg|>", "never"]
+    model, calls = _sequence_model(tiny_model_factory, serve_tokenizer, parts)
+    with serve(Engine(model, serve_tokenizer, max_batch=1, max_queue=4), chat_format_name="kimi-k3") as url:
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=200, temperature=0)
+        r = client(url).chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert (m.content, m.model_extra.get("reasoning_content")) == ("hi there", "plan")
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("f", {"x": 1})]
+        assert r.choices[0].finish_reason == "tool_calls"
+        calls[0] = 0
+        content, reasoning, names = "", "", []
+        for ch in client(url).chat.completions.create(**kw, stream=True):
+            d = ch.choices[0].delta
+            content += d.content or ""
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            names += [c.function.name for c in d.tool_calls or []]
+        assert (content, reasoning, names) == ("hi there", "plan", ["f"])

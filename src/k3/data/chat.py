@@ -17,7 +17,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from k3.data.tokenizer import SPECIAL_TOKENS
+from k3.data.tokenizer import RESERVED_TOKENS
 from k3.fileio import loads_json
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -72,11 +72,8 @@ def _tool_call_json(call, where: str) -> str:
     return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
 
 
-def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
-           add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation (and, by default, the start of the assistant's reply)."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+def check_tools(tools) -> None:
+    """ChatFormatError unless `tools` is None or a list of OpenAI function declarations."""
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise ChatFormatError("tools must be a list of {'type': 'function', 'function': {...}}", "tools")
     for i, t in enumerate(tools or []):
@@ -86,6 +83,14 @@ def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
             raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, "
                                   "'description': str, 'parameters': {...}}}}} (a non-empty name; parameters "
                                   "a JSON Schema object)", "tools")
+
+
+def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
+           add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (and, by default, the start of the assistant's reply)."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    check_tools(tools)
     if reasoning_effort is not None and reasoning_effort not in EFFORTS:
         raise ChatFormatError(f"reasoning_effort = {reasoning_effort!r} must be one of {', '.join(EFFORTS)}",
                               "reasoning_effort")
@@ -245,12 +250,12 @@ class ChatOutputParser:
                 self._consume(len(self.buf) - keep, out)
                 break
             self._consume(i, out)
-            marker = next((t for t in SPECIAL_TOKENS if self.buf.startswith(t)), None)
+            marker = next((t for t in RESERVED_TOKENS if self.buf.startswith(t)), None)
             # with known spans only a special token the engine recorded there is a marker
             if marker is not None and (not known or (self.pos, self.pos + len(marker)) in self.markers):
                 self.buf, self.pos = self.buf[len(marker):], self.pos + len(marker)
                 self._marker(marker, out)
-            elif not known and not final and any(t.startswith(self.buf) for t in SPECIAL_TOKENS):
+            elif not known and not final and any(t.startswith(self.buf) for t in RESERVED_TOKENS):
                 break  # maybe the start of a marker: wait for more text
             else:
                 self._consume(2, out)
@@ -319,3 +324,32 @@ def parse_reply(text: str, markers: list[tuple[int, int]] | None = None) -> tupl
     for kind, v in p.feed(text, final=True):
         (content if kind == "content" else reasoning if kind == "reasoning" else []).append(v)
     return "".join(content), "".join(reasoning), p.tool_calls
+
+
+# ---------------------------------------------------------------------- formats
+CHAT_FORMATS = ("k3", "kimi-k3")  # k3's own (the default) and Kimi K3's (k3.data.chat_kimi)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What the server needs of a chat format: render messages to ids, the tokens that end a reply, and the
+    parser that splits a reply into content, reasoning and tool calls."""
+    name: str
+    render: object  # (messages, tokenizer, tools, reasoning_effort) -> ids
+    parser: object  # (markers) -> a parser with feed(delta, final) and tool_calls
+    parse_reply: object  # (text, markers) -> (content, reasoning, tool calls)
+    stop_token_ids: object  # tokenizer -> ids
+    template: str  # the Jinja template of the same format
+    check_tokenizer: object = None  # tokenizer -> None, ValueError when it lacks the format's tokens
+
+
+def chat_format(name: str) -> ChatFormat:
+    """The chat format called `name` (one of CHAT_FORMATS)."""
+    if name == "k3":
+        return ChatFormat("k3", render, ChatOutputParser, parse_reply, stop_token_ids, CHAT_TEMPLATE)
+    if name == "kimi-k3":
+        from k3.data import chat_kimi as k
+
+        return ChatFormat("kimi-k3", k.render, k.XtmlOutputParser, k.parse_reply, k.stop_token_ids, k.CHAT_TEMPLATE,
+                          k.check_tokenizer)
+    raise ValueError(f"unknown chat format {name!r}; known: {', '.join(CHAT_FORMATS)}")

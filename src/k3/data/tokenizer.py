@@ -1,8 +1,12 @@
-"""Byte-level BPE (HF `tokenizers`), with k3's special tokens reserved at fixed ids 0..16.
+"""Byte-level BPE (HF `tokenizers`), with k3's special tokens reserved at fixed ids 0..16 (and Kimi K3's four
+chat-format tokens at 17..20 in tokenizers trained since they were added).
 
 Byte-level means every string round-trips exactly (any Unicode, any whitespace) and there is no unknown
 token: the 256 byte symbols are always in the vocabulary. `SPECIAL_TOKENS` is the one list of reserved
 tokens; their ids are their positions in it, so a chat template or a loss mask can rely on them.
+`FORMAT_TOKENS` follow them (`RESERVED_TOKENS`): the structural tokens of Kimi K3's chat format
+(`k3.data.chat_kimi`). A tokenizer trained before has BPE tokens at 17..20; it keeps loading with its ids
+and serves k3's own format only (`Tokenizer.n_special` says which kind a tokenizer is).
 
 Training on the full stdlib corpus is bounded by `DEFAULT_TOKENIZER_MAX_BYTES` (the first ~20 MB of the
 train split, in sorted file order), which bounds BPE training's time (docs/benchmarks.md, "Data").
@@ -27,6 +31,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|think|>", "<|/think|>",
     "<|effort:low|>", "<|effort:medium|>", "<|effort:high|>",
 )
+# Kimi K3's chat format (XTML): tag names and attributes are ordinary text between these four tokens.
+FORMAT_TOKENS: tuple[str, ...] = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+RESERVED_TOKENS: tuple[str, ...] = SPECIAL_TOKENS + FORMAT_TOKENS
 from k3.fileio import atomic_write_text, loads_json  # noqa: E402
 
 N_BYTES = 256
@@ -50,6 +57,10 @@ class Tokenizer:
         self.hf = hf
         self.path = Path(path) if path is not None else None
         self._check_specials()
+        # FORMAT_TOKENS count only where all of them sit at their reserved ids (an older tokenizer has BPE there)
+        n = len(SPECIAL_TOKENS)
+        self.n_special = len(RESERVED_TOKENS) if all(
+            self.hf.token_to_id(t) == n + i for i, t in enumerate(FORMAT_TOKENS)) else n
         self._plain = None  # a copy that encodes special-token strings as ordinary text
         self.trained_bytes: int | None = None  # set by train_tokenizer
 
@@ -93,10 +104,13 @@ class Tokenizer:
     def special_id(self, name: str) -> int:
         """Id of a special token, by full form (`"<|eos|>"`) or short name (`"eos"`, `"effort:high"`)."""
         tok = name if name.startswith("<|") else f"<|{name}|>"
-        try:
-            return SPECIAL_TOKENS.index(tok)
-        except ValueError:
-            raise ValueError(f"unknown special token {name!r}; known: {', '.join(SPECIAL_TOKENS)}") from None
+        known = RESERVED_TOKENS[:self.n_special]
+        if tok in known:
+            return known.index(tok)
+        if tok in FORMAT_TOKENS:
+            raise ValueError(f"this tokenizer has no {tok}: it was trained before k3 reserved Kimi K3's chat-format "
+                             "tokens (ids 17..20); retrain it with `k3 tokenize` to use that format")
+        raise ValueError(f"unknown special token {name!r}; known: {', '.join(known)}")
 
     @property
     def bos_id(self) -> int:
@@ -315,12 +329,14 @@ def train_tokenizer(documents: Iterable, vocab_size: int = DEFAULT_VOCAB_SIZE, *
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     check_vocab_size(vocab_size)
+    # the format tokens are reserved whenever the vocabulary has room (all but the 4 smallest sizes)
+    reserved = RESERVED_TOKENS if vocab_size >= N_BYTES + len(RESERVED_TOKENS) else SPECIAL_TOKENS
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, show_progress=progress,
-        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(reserved), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     n_bytes = 0
 

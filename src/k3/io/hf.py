@@ -30,7 +30,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GenerationMixin, Pre
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from k3.config import K3Config
-from k3.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_tokenizer
+from k3.data.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS, Tokenizer, load_tokenizer
 from k3.data.chat import CHAT_TEMPLATE, STOP_TOKENS
 from k3.fileio import atomic_dir, loads_json, pid_alive, writer_pid
 from k3.model.cache import HybridCache, KDACache, MLACache
@@ -330,15 +330,22 @@ register()
 # ---------------------------------------------------------------------- tokenizer
 def to_hf_tokenizer(tokenizer: Tokenizer, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
     """A PreTrainedTokenizerFast over the same `tokenizers` model: identical ids, k3's special tokens kept
-    (bos/eos/pad named as such, the rest as extra special tokens), and k3's chat format as its chat template.
-    It adds no BOS/EOS of its own, like `Tokenizer.encode` without bos/eos."""
+    (bos/eos/pad named as such, the rest as extra special tokens), and k3's chat format as its chat template; a
+    tokenizer that reserves Kimi K3's format tokens also gets that format as the template named "kimi-k3"
+    (`apply_chat_template(..., chat_template="kimi-k3")`). It adds no BOS/EOS of its own, like `Tokenizer.encode`
+    without bos/eos."""
     from tokenizers import Tokenizer as RawTokenizer
 
     named = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}
-    extra = [t for t in SPECIAL_TOKENS if t not in named.values()]
+    extra = [t for t in RESERVED_TOKENS[:tokenizer.n_special] if t not in named.values()]
+    template = CHAT_TEMPLATE
+    if tokenizer.n_special > len(SPECIAL_TOKENS):
+        from k3.data.chat_kimi import CHAT_TEMPLATE as KIMI_K3_TEMPLATE
+
+        template = {"default": CHAT_TEMPLATE, "kimi-k3": KIMI_K3_TEMPLATE}
     hf = PreTrainedTokenizerFast(
         tokenizer_object=RawTokenizer.from_str(tokenizer.hf.to_str()), **named,
-        extra_special_tokens=extra, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE,
+        extra_special_tokens=extra, clean_up_tokenization_spaces=False, chat_template=template,
         **({"model_max_length": model_max_length} if model_max_length else {}),
     )
     check_tokenizer(hf, vocab_size=tokenizer.vocab_size)

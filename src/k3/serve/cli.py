@@ -28,6 +28,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as e:
         raise ValueError(f"`k3 serve` needs the serving extras ({e.name} is missing): "
                          "pip install 'k3[serve]'") from None
+    from k3.data.chat import chat_format
     from k3.serve.engine import Engine
 
     threads = set_threads(args.threads)
@@ -43,13 +44,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--ram-budget bounds the streamed experts' cache; add --stream-experts (or drop it)")
     model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config,
                                                   "cpu" if stream else resolve_device(args.device), **stream)
+    fmt = chat_format(args.chat_format)
+    if fmt.check_tokenizer is not None:
+        try:
+            fmt.check_tokenizer(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"--chat-format {args.chat_format}: {e}") from None
     socks = _bind(args.host, args.port)  # a busy port is a one-line error too, not uvicorn's traceback
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_bytes,
                     prefix_block=args.prefix_block)
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens,
-                     api_key=args.api_key or os.environ.get("K3_API_KEY") or None, worker_threads=threads)
+                     api_key=args.api_key or os.environ.get("K3_API_KEY") or None, worker_threads=threads,
+                     chat_format_name=args.chat_format)
     print(f"k3 serve: {name} from {manifest['path']} (step {manifest.get('step')}), context "
           f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s), prefix "
           f"cache {f'{args.prefix_cache_bytes / 2**20:,.0f} MiB' if args.prefix_cache_bytes else 'off'}; "
@@ -112,6 +120,9 @@ def register(sub) -> None:
     p.add_argument("--prefix-block", type=int, default=256,
                    help="tokens between KDA state snapshots: prefixes are reused up to a multiple of this or a "
                         "cached prompt's end (default 256)")
+    p.add_argument("--chat-format", choices=("k3", "kimi-k3"), default="k3",
+                   help="chat template and reply parser: k3's own (default) or Kimi K3's released format (XTML), "
+                        "which needs a tokenizer that reserves its tokens (docs/serving.md)")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat reply length when the request gives no max_tokens (default 256)")
     p.add_argument("--stream-experts", action="store_true",

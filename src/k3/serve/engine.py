@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from k3.data.tokenizer import SPECIAL_TOKENS
+from k3.data.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS
 from k3.model.cache import HybridCache
 from k3.model.sampling import SamplingParams, apply_penalties, sample_row
 from k3.serve.prefix_cache import PrefixCache
@@ -137,6 +137,8 @@ class Engine:
         self.fork_prefill, self.keep_logits = fork_prefill, keep_logits
         self.prefill_tokens = 0  # prompt tokens run through the model (not taken from a cache or a fork)
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else EOS_ID)
+        # ids below this are special tokens (k3's, and Kimi K3's format tokens where the tokenizer reserves them)
+        self.n_special = getattr(tokenizer, "n_special", len(SPECIAL_TOKENS))
         self.device = next(model.parameters()).device
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
@@ -515,10 +517,10 @@ class Engine:
             r.out_counts[tok] += 1
         p = r.params
         reason = None
-        special = tok < len(SPECIAL_TOKENS)
+        special = tok < self.n_special
         if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"  # the end token itself is not part of the text
-        elif special and SPECIAL_TOKENS[tok] in p.stop:
+        elif special and RESERVED_TOKENS[tok] in p.stop:
             reason = "stop"  # a stop string that names a special token (e.g. "<|end|>") stops, kept or skipped
         elif not special:
             r._tail.append(tok)

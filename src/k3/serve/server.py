@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.data.tokenizer import SPECIAL_TOKENS
-from k3.data.chat import ChatFormatError, ChatOutputParser, parse_reply, render, stop_token_ids
+from k3.data.chat import ChatFormatError, chat_format
 from k3.model.sampling import SamplingError, SamplingParams
 from k3.serve.engine import MAX_LOGPROBS, ContextLengthError, Engine, EngineFull, Logprob, TokenEvent
 
@@ -226,8 +226,9 @@ def _stream_options(body: dict) -> bool:
 
 # ---------------------------------------------------------------------- the app
 def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int = 256,
-               api_key: str | None = None, worker_threads: int | None = None) -> FastAPI:
-    """A FastAPI app serving `engine` (which must have a tokenizer) under the model id `model_name`."""
+               api_key: str | None = None, worker_threads: int | None = None, chat_format_name: str = "k3") -> FastAPI:
+    """A FastAPI app serving `engine` (which must have a tokenizer) under the model id `model_name`; chat messages
+    in the format `chat_format_name` (k3's own, or "kimi-k3": `k3.data.chat.CHAT_FORMATS`)."""
     if engine.tokenizer is None:
         raise ValueError("the server needs an Engine with a tokenizer")
     if default_max_tokens < 1:
@@ -236,7 +237,10 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
     token_text = _TokenText(tok)
     worker = EngineWorker(engine, worker_threads)
     created = int(time.time())
-    chat_stops = stop_token_ids(tok)
+    chat = chat_format(chat_format_name)
+    if chat.check_tokenizer is not None:
+        chat.check_tokenizer(tok)
+    chat_stops = chat.stop_token_ids(tok)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -476,7 +480,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         _check_text_fits(_content_bytes(body.get("messages")), tok, engine.max_context, "messages")
         _check_tool_messages(body.get("messages"))
         try:
-            ids = render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
+            ids = chat.render(body.get("messages"), tok, tools, body.get("reasoning_effort"))
         except ChatFormatError as e:
             raise bad(str(e), e.param) from None
         fitted = fit(ids, base, explicit, "messages")
@@ -504,7 +508,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
 
         if stream:
             async def chunks():
-                parsers = [ChatOutputParser(r._markers) for r in reqs]
+                parsers = [chat.parser(r._markers) for r in reqs]
                 for i in range(len(reqs)):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 async for index, ev in events.stream(len(reqs)):
@@ -533,7 +537,7 @@ def create_app(engine: Engine, model_name: str = "k3", default_max_tokens: int =
         _raise_failed(reqs)
         choices = []
         for i, r in enumerate(reqs):
-            content, reasoning, calls = parse_reply(r.text, r._markers)
+            content, reasoning, calls = chat.parse_reply(r.text, r._markers)
             # as OpenAI: content is null beside tool calls that came without text
             msg = {"role": "assistant", "content": (content or None) if calls else content}
             if reasoning:
