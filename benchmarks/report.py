@@ -245,6 +245,22 @@ HEADLINES = {
                                       "(prompt tokens/s ratio, 1 thread)", ">= 2x"),
         ("packed_over_padded", "same, packed row vs one batch padded to the longest prompt", ""),
         ("tokens_per_s.packed", "packed prefill, prompt tokens/s", ""),
+        ("fixed_cost_per_call_s", "one forward call's fixed cost (intercept of prefill time against prompt length, s)",
+         ""),
+        ("packing_bound", "the most packing can give here: one-at-a-time time over it less 7 calls' fixed cost", ""),
+    ],
+    "beam_prefill": [
+        ("shared_speedup", "HF generate, 4 beams, 1024-token prompt on mini: prefill each distinct prompt once vs "
+                           "every beam (time ratio, 1 thread)", ""),
+    ],
+    "doc_mask": [
+        ("doc_mask.val_bpb_masked.mean", "mini, 120 steps x 8 x 256, 3 seeds: val bits/byte trained with document "
+                                         "masking (k3 train's default), documents read alone", ""),
+        ("no_doc_mask.val_bpb_masked.mean", "same, trained across document boundaries (--no-doc-mask)", ""),
+        ("masked_minus_not.val_bpb_masked.mean", "paired difference masked - not (bits/byte)", ""),
+        ("masked_minus_not.val_bpb_packed.mean", "same, both read across boundaries at evaluation", ""),
+        ("step_time_ratio.mean", "training step time, masked / not (interleaved step by step)", ""),
+        ("windows_with_a_boundary", "share of training windows holding a document boundary", ""),
     ],
     "convert": [
         ("source_bytes", "k3 export --format kimi, synthetic kimi_k3 (K3's forms, d 2048, 16 layers): source bytes "

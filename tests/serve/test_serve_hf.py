@@ -144,6 +144,32 @@ def test_beam_search_with_cache_equals_beam_search_without():
     assert torch.equal(cached, plain)
 
 
+def test_beam_search_prefills_each_distinct_prompt_once():
+    """generate(num_beams=k) copies the prompt into k rows; the first forward computes each distinct prompt once
+    and copies its states, with the same beams, scores and logits as computing every row."""
+    hf = K3ForCausalLM.from_k3(k3_model(), eos_token_id=None).eval()
+    ids = torch.cat([prompt(1, 7, seed=3), prompt(1, 7, seed=4)])  # two prompts, three beams each
+    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, num_return_sequences=3, output_scores=True,
+              return_dict_in_generate=True)
+    rows, real = [], hf.model.hidden_states
+
+    def counting(input_ids, cache=None, *a, **k):
+        rows.append(tuple(input_ids.shape))
+        return real(input_ids, cache, *a, **k)
+
+    hf.model.hidden_states = counting
+    shared = hf.generate(ids, **kw)
+    assert rows[0] == (2, 7) and all(r[1] == 1 for r in rows[1:])  # the prefill: 2 rows, not 6
+    rows.clear()
+    hf.share_prefill = False
+    every = hf.generate(ids, **kw)
+    assert rows[0] == (6, 7)
+    assert torch.equal(shared.sequences, every.sequences)
+    assert torch.allclose(shared.sequences_scores, every.sequences_scores, atol=1e-5)
+    for a, b in zip(shared.scores, every.scores):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
 def test_forward_loss_padding_and_cache_errors():
     hf = K3ForCausalLM.from_k3(k3_model()).eval()
     ids = prompt(2, 8)

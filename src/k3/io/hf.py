@@ -230,7 +230,8 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, HybridCache):
             raise ValueError(f"cache must be k3's hybrid cache (model.new_cache()), got {type(cache).__name__}; "
                              "transformers' DynamicCache cannot hold KDA states")
-        h = self.model.hidden_states(input_ids, cache)
+        h = self._prefill_shared(input_ids, cache) if self._shares_prefill(input_ids, cache) else \
+            self.model.hidden_states(input_ids, cache)
         logits = self.model.head(h[:, -logits_to_keep:] if logits_to_keep else h)
         loss = None
         if labels is not None:
@@ -240,6 +241,24 @@ class K3ForCausalLM(PreTrainedModel, GenerationMixin):
                                    reduction="mean" if n_items is None else "sum")
             loss = loss if n_items is None else loss / n_items
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+    # Beam search (and num_return_sequences) copy the prompt into every row before the first forward; computing
+    # each distinct prompt once and copying its states is the same result for a fraction of the prefill.
+    share_prefill = True
+
+    def _shares_prefill(self, input_ids: torch.Tensor, cache: HybridCache | None) -> bool:
+        return (self.share_prefill and cache is not None and cache.seen_tokens == 0 and input_ids.shape[0] > 1
+                and input_ids.shape[1] > 1 and not torch.is_grad_enabled())
+
+    def _prefill_shared(self, input_ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """The prefill of rows that repeat: each distinct row once, then its states and outputs copied to the
+        rows that hold it (a fresh cache is filled as the full batch would fill it)."""
+        unique, inverse = torch.unique(input_ids, dim=0, return_inverse=True)
+        if unique.shape[0] == input_ids.shape[0]:
+            return self.model.hidden_states(input_ids, cache)
+        h = self.model.hidden_states(unique, cache)
+        reorder_cache(cache, inverse)
+        return h.index_select(0, inverse)
 
     def _reorder_cache(self, cache: HybridCache, beam_idx: torch.LongTensor) -> HybridCache:
         reorder_cache(cache, beam_idx)  # any HybridCache, also a plain one from K3Model.new_cache()
