@@ -142,6 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from k3.plan.whatif import parse_what_ifs, what_ifs
 
     config = config_from_args(args)
+    if args.stream_experts:
+        return _cmd_stream(args, config)
     context = args.context if args.context is not None else min(DEFAULT_CONTEXT, config.max_context)
     options = Options(mode="train" if args.train else "serve", context=context, batch=args.batch,
                       micro_batches=args.micro_batches, expert_precision=args.expert_precision,
@@ -190,6 +192,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stream(args: argparse.Namespace, config) -> int:
+    from k3.plan.stream import format_stream_plan, stream_plan
+
+    if args.ram is None or args.disk_gbps is None:
+        raise ValueError("--stream-experts plans one machine: give its --ram GB and --disk-gbps (a disk's read rate; "
+                         "benchmarks/stream.py measures it)")
+    r = stream_plan(config, args.ram, args.disk_gbps, args.mem_gbps, args.expert_gbps, args.dense_precision,
+                    args.lookahead)
+    print(json.dumps(r, indent=2) if args.json else format_stream_plan(r))
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("plan", help="four walls (memory, bandwidth, communication, latency) of a layout on a GPU",
                        description="Per-GPU memory, decode bandwidth, communication, compute and latency bounds of a "
@@ -223,4 +237,15 @@ def register(sub) -> None:
     p.add_argument("--min-gpus", action="store_true", help="serving: find the fewest GPUs that hold the request, plan that")
     p.add_argument("--plot", metavar="FILE.png", help="write each wall against context 1k..1M (with the what-ifs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    st = p.add_argument_group("one machine, routed experts streamed from disk (docs/serving.md)")
+    st.add_argument("--stream-experts", action="store_true",
+                    help="plan serving with the routed experts read from disk through a RAM cache")
+    st.add_argument("--ram", type=float, default=None, metavar="GB", help="the machine's RAM for the model")
+    st.add_argument("--disk-gbps", type=float, default=None, help="disk read rate, GB/s")
+    st.add_argument("--mem-gbps", type=float, default=16.0,
+                    help="rate the trunk's matrices are applied at, GB/s of weights (default 16)")
+    st.add_argument("--expert-gbps", type=float, default=0.2,
+                    help="rate packed MXFP4 experts are dequantized and applied at, GB/s (default 0.2)")
+    st.add_argument("--lookahead", type=float, default=0.5,
+                    help="share of a layer's missed experts the lookahead router guesses (default 0.5)")
     p.set_defaults(func=cmd_plan)
