@@ -91,9 +91,10 @@ class ExpertStore:
         self.bytes_read = self.reads = 0
         self.read_s = 0.0
 
-    def read(self, j: int, e: int) -> tuple[torch.Tensor, ...]:
+    def read(self, j: int, e: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Expert e of MoE layer j, into `out` (uint8 [expert_bytes], a cache slot) or a new buffer."""
         spans = self.spans[j][e]
-        buf = torch.empty(sum(s.nbytes for s in spans), dtype=torch.uint8)
+        buf = torch.empty(sum(s.nbytes for s in spans), dtype=torch.uint8) if out is None else out
         mv = memoryview(buf.numpy())
         # in file order, spans that follow each other coalesced into one read
         runs, pos, where = [], 0, {}
@@ -139,6 +140,12 @@ class ExpertCache:
 
     def __init__(self, store: ExpertStore, capacity: int, prefetch: bool = True):
         self.store, self.capacity, self.prefetch_on = store, int(capacity), prefetch
+        # one slab of fixed slots, one expert each (every expert has the same size): the cache's RAM is the slab,
+        # however many reads come and go (a buffer per read left the heap fragmented, RSS growing past the bound)
+        eb = max(1, store.expert_bytes)
+        self.slab = torch.empty((self.capacity // eb) * eb, dtype=torch.uint8)
+        self.free = list(range(self.capacity // eb))
+        self.slot_of: dict = {}
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.bytes = 0
         self.pins: collections.Counter = collections.Counter()
@@ -161,10 +168,28 @@ class ExpertCache:
             if victim is None:
                 return force  # everything pinned: a demand read overflows for the moment, a prefetch gives up
             self.bytes -= sum(t.numel() for t in self.entries.pop(victim))
+            self.free.append(self.slot_of.pop(victim))
             if victim in self.unused_prefetch:
                 self.unused_prefetch.discard(victim)
                 self.counts["prefetch_wasted"] += 1
         return True
+
+    def _take_slot(self):
+        """A free slot (evicting the least recently used unpinned expert if needed), or None."""
+        while not self.free:
+            victim = next((k for k in self.entries if not self.pins[k]), None)
+            if victim is None:
+                return None
+            self.bytes -= sum(t.numel() for t in self.entries.pop(victim))
+            self.free.append(self.slot_of.pop(victim))
+            if victim in self.unused_prefetch:
+                self.unused_prefetch.discard(victim)
+                self.counts["prefetch_wasted"] += 1
+        return self.free.pop()
+
+    def _slot_view(self, slot):
+        eb = self.store.expert_bytes
+        return None if slot is None else self.slab[slot * eb:(slot + 1) * eb]
 
     def _insert(self, key, tensors, force: bool) -> bool:
         n = sum(t.numel() for t in tensors)
@@ -194,14 +219,24 @@ class ExpertCache:
                     continue
                 self.counts["misses"] += 1
                 self.pending[key] = True
+                slot = self._take_slot()  # None: every slot pinned; read into a buffer of its own, not cached
             try:
-                t = self.store.read(*key)
-            finally:
+                t = self.store.read(*key, out=self._slot_view(slot))
+            except BaseException:
                 with self.cv:
                     del self.pending[key]
+                    if slot is not None:
+                        self.free.append(slot)
                     self.cv.notify_all()
+                raise
             with self.cv:
-                self._insert(key, t, force=True)
+                del self.pending[key]
+                if slot is not None:
+                    self.slot_of[key] = slot
+                    self._insert(key, t, force=True)
+                else:
+                    self.counts["overflow_reads"] += 1
+                self.cv.notify_all()
             out.append(t)
         return out
 
@@ -231,19 +266,25 @@ class ExpertCache:
                 key = self.queue.popleft()
                 if key in self.entries or key in self.pending:
                     continue
+                slot = self._take_slot()
+                if slot is None:  # every slot pinned by the layer being computed
+                    self.counts["prefetch_dropped"] += 1
+                    continue
                 self.pending[key] = True
             try:
-                t = self.store.read(*key)
+                t = self.store.read(*key, out=self._slot_view(slot))
             except Exception as e:  # noqa: BLE001  (the demand read of the same expert raises it where it is seen)
                 log.warning("prefetch of routed expert %s failed: %s", key, e)
                 t = None
             with self.cv:
                 del self.pending[key]
-                if t is not None and self._insert(key, t, force=False):
+                if t is not None:
+                    self.slot_of[key] = slot
+                    self._insert(key, t, force=False)
                     self.unused_prefetch.add(key)
                     self.counts["prefetched"] += 1
-                elif t is not None:
-                    self.counts["prefetch_dropped"] += 1
+                else:
+                    self.free.append(slot)
                 self.cv.notify_all()
 
     def stats(self) -> dict:
@@ -251,7 +292,7 @@ class ExpertCache:
             c = dict(self.counts)
         hits, misses = c.get("hits", 0), c.get("misses", 0)
         return {**{k: c.get(k, 0) for k in ("hits", "misses", "prefetched", "prefetch_used", "prefetch_wasted",
-                                           "prefetch_dropped", "waited_on_prefetch")},
+                                           "prefetch_dropped", "waited_on_prefetch", "overflow_reads")},
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0, "cache_bytes": self.bytes,
                 "peak_cache_bytes": self.peak_bytes, "capacity_bytes": self.capacity,
                 "bytes_read": self.store.bytes_read, "reads": self.store.reads, "read_s": self.store.read_s}
@@ -270,6 +311,7 @@ class ExpertCache:
             self.queue.clear()
             for k in [k for k in self.entries if not self.pins[k]]:
                 self.bytes -= sum(t.numel() for t in self.entries.pop(k))
+                self.free.append(self.slot_of.pop(k))
             self.unused_prefetch.clear()
 
     def close(self) -> None:
