@@ -262,6 +262,22 @@ HEADLINES = {
         ("step_time_ratio.mean", "training step time, masked / not (interleaved step by step)", ""),
         ("windows_with_a_boundary", "share of training windows holding a document boundary", ""),
     ],
+    "stream": [
+        ("experts_on_disk_bytes", "k3.load(experts='stream'), synthetic kimi_k3 shaped like K3 (896 experts, top-16, "
+                                  "d 1024): MXFP4 routed-expert bytes on disk", ""),
+        ("disk_over_budget", "experts on disk / RAM budget (4 GB)", ">= 3"),
+        ("prefetch.tokens_per_s", "decode tokens/s, lookahead prefetch on", ""),
+        ("predicted.tokens_per_s_prefetch", "the same, predicted by k3.plan.stream from the calibrated rates", ""),
+        ("no_prefetch.tokens_per_s", "decode tokens/s, no prefetch", ""),
+        ("predicted.tokens_per_s_no_prefetch", "the same, predicted", ""),
+        ("no_prefetch.hit_rate", "expert cache hit rate, no prefetch (plan: cache / experts on disk)", ""),
+        ("predicted.hit_rate", "the same, predicted", ""),
+        ("prefetch.hit_rate", "expert cache hit rate, prefetch on", ""),
+        ("no_prefetch.bytes_read_per_token", "bytes read from disk per token, no prefetch", ""),
+        ("no_prefetch.disk_read_gbps", "disk read throughput of those reads (GB/s; page cache dropped)", ""),
+        ("lookahead_measured", "share of missed experts the lookahead router guessed", ""),
+        ("peak_rss_gb", "peak RSS of the streamed run (GB; limit: budget + trunk)", "< rss_limit_gb"),
+    ],
     "convert": [
         ("source_bytes", "k3 export --format kimi, synthetic kimi_k3 (K3's forms, d 2048, 16 layers): source bytes "
                          "(6.42 GB of them MXFP4 routed experts)", ""),
