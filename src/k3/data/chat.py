@@ -85,15 +85,20 @@ def check_tools(tools) -> None:
                                   "a JSON Schema object)", "tools")
 
 
-def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
-           add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation (and, by default, the start of the assistant's reply)."""
+def check_request(messages, tools, reasoning_effort: str | None) -> None:
+    """What every chat format refuses: no messages, malformed tools, an unknown reasoning effort."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     check_tools(tools)
     if reasoning_effort is not None and reasoning_effort not in EFFORTS:
         raise ChatFormatError(f"reasoning_effort = {reasoning_effort!r} must be one of {', '.join(EFFORTS)}",
                               "reasoning_effort")
+
+
+def render(messages, tokenizer, tools=None, reasoning_effort: str | None = None,
+           add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (and, by default, the start of the assistant's reply)."""
+    check_request(messages, tools, reasoning_effort)
     sid = tokenizer.special_id
     ids: list[int] = []
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 
-from k3.data.chat import ChatFormatError, ToolCall, _coalesce, _text, check_tools
+from k3.data.chat import ChatFormatError, ToolCall, _coalesce, _text, check_request
 from k3.data.tokenizer import FORMAT_TOKENS
 from k3.fileio import loads_json
 
@@ -125,12 +125,7 @@ def _arguments(call, where: str):
 def render_parts(messages, tools=None, reasoning_effort: str | None = None, add_generation_prompt: bool = True,
                  thinking: bool = True) -> list[tuple[bool, str]]:
     """The conversation as (is_special, text) pieces; `render` encodes them, `render_text` joins them."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatFormatError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-    check_tools(tools)
-    if reasoning_effort is not None and reasoning_effort not in EFFORTS:
-        raise ChatFormatError(f"reasoning_effort = {reasoning_effort!r} must be one of {', '.join(EFFORTS)}",
-                              "reasoning_effort")
+    check_request(messages, tools, reasoning_effort)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ChatFormatError(f"messages[{i}] must be an object with role one of {', '.join(ROLES)}")

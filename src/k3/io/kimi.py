@@ -547,7 +547,15 @@ def load_kimi(path: str | os.PathLike, dtype: torch.dtype | None = None, device=
         if got is not None and tuple(want[e.k3].shape) != got:
             raise CheckpointFormatError(f"{path}: {e.names[0]}{' ...' if len(e.names) > 1 else ''} has shape "
                                         f"{got} as k3's {e.k3}, but config.json wants {tuple(want[e.k3].shape)}")
-    model = model.to_empty(device=device)
+    model = fill_model(model.to_empty(device=device), entries, tensors, chosen, path)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def fill_model(model, entries, tensors, chosen: dict, path) -> torch.nn.Module:
+    """Copy each entry's released tensors, converted to k3's form, into `model` (allocated, e.g. by to_empty);
+    the buffers a checkpoint does not hold are reset."""
     state = model.state_dict()  # views of the parameters and persistent buffers
     with torch.no_grad():
         for e in entries:
@@ -557,9 +565,7 @@ def load_kimi(path: str | os.PathLike, dtype: torch.dtype | None = None, device=
                                             f"config.json wants {tuple(state[e.k3].shape)}")
             state[e.k3].copy_(t)
         _reset_unsaved(model)
-    if dtype is not None:
-        model.to(dtype)
-    return model.eval()
+    return model
 
 
 def _converted_shape(e: Entry, shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:

@@ -445,7 +445,7 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
     folder's files (see the module docstring). `ram_budget`: bytes (or '8GB') for the trunk, the expert cache
     and the dequantization workspace together; a budget below `min_budget` is refused with the numbers.
     The model's `expert_cache` attribute is the ExpertCache (stats(), reset_stats(), clear(), close())."""
-    from k3.io.kimi import (CheckpointFormatError, Tensors, _converted_shape, _reset_unsaved, _resolve_names,
+    from k3.io.kimi import (CheckpointFormatError, Tensors, _converted_shape, _resolve_names, fill_model,
                             read_config, tensor_map)
     from k3.quant.export import build_packed_model
 
@@ -503,16 +503,7 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
     for j, moe in enumerate(moes):
         e = moe.experts
         moe.experts = StreamedExperts(cache, j, e.n_experts, e.dim, e.ffn, chunk, workspace, e.act_format, e.glu)
-    model = model.to_empty(device="cpu")
-    state = model.state_dict()
-    with torch.no_grad():
-        for e in trunk_entries:
-            t = e.to_k3([tensors.get(chosen[n]) for n in e.names])
-            if tuple(t.shape) != tuple(state[e.k3].shape):
-                raise CheckpointFormatError(f"{path}: {e.names[0]}: as k3's {e.k3} it has shape {tuple(t.shape)}, "
-                                            f"config.json wants {tuple(state[e.k3].shape)}")
-            state[e.k3].copy_(t)
-        _reset_unsaved(model)
+    model = fill_model(model.to_empty(device="cpu"), trunk_entries, tensors, chosen, path)
     if dtype is not None:
         model.to(dtype)
     if prefetch:  # the next MoE layer's experts, guessed when each channel mixer starts
