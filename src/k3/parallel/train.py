@@ -28,7 +28,8 @@ from k3.parallel.mesh import ParallelContext
 from k3.parallel.pipeline import PipelineStage, check_tied_stages, prune_to_stage, run_gpipe, stage_shared_params
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
-from k3.train.config import DATA_FIELDS, TrainConfig, check_schedule_fields
+from k3.train.config import TrainConfig, check_schedule_fields
+from k3.train.loop import check_data
 from k3.train.optim import build_optimizer
 from k3.train.trainer import Trainer
 
@@ -168,12 +169,7 @@ def check_resume_meta(meta: dict, config: K3Config, tc: TrainConfig, data_info: 
             raise ValueError(f"{meta['path']}: {k} is {meta['train'][k]!r} in the checkpoint but "
                              f"{getattr(tc, k)!r} now; resume with the same {k}")
     check_schedule_fields(meta["train"], tc, str(meta["path"]))
-    data, data_info = meta.get("data") or {}, data_info or {}
-    for k in DATA_FIELDS:  # another dataset would silently change what the resumed steps train on
-        if k in data and k in data_info and data[k] != data_info[k]:
-            raise ValueError(f"{meta['path']}: the checkpoint was trained on data with {k} {data[k]!r}, this "
-                             f"run's data has {data_info[k]!r}; resume with --data "
-                             f"{data.get('data_dir', 'DIR')} (the data it was trained on), or start a new run")
+    check_data(meta.get("data") or {}, data_info or {}, str(meta["path"]))
 
 
 class DistributedContext:
