@@ -210,8 +210,11 @@ class DistillTrainer(Trainer):
 
 def make_trainer(config, files, args, seed: int, setting: str | None = None,
                  teacher: torch.nn.Module | None = None) -> Trainer:
+    # doc_mask off: the recorded QAT, forms, stability and MoE-contribution runs trained across document
+    # boundaries, and these comparisons are about other things (benchmarks/doc_mask.py measures the masking)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                     warmup_steps=args.warmup_steps, seed=seed, measure_mfu=False, record_attnres=False)
+                     warmup_steps=args.warmup_steps, seed=seed, measure_mfu=False, record_attnres=False,
+                     doc_mask=False)
     if setting is not None:
         config = config.replace(qat=SETTINGS[setting][0])
     if teacher is None:
