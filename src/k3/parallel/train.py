@@ -29,7 +29,7 @@ from k3.parallel.pipeline import PipelineStage, check_tied_stages, prune_to_stag
 from k3.parallel.placement import Placement, contiguous_placement
 from k3.train import checkpoint as ckpt
 from k3.train.config import TrainConfig, check_schedule_fields
-from k3.train.loop import check_data
+from k3.train.loop import check_data, holds_checkpoint
 from k3.train.optim import build_optimizer
 from k3.train.trainer import Trainer
 
@@ -265,7 +265,7 @@ class DistributedContext:
         return pckpt.latest(ckpt_dir)
 
     def holds_any(self, ckpt_dir: Path) -> bool:
-        return pckpt.latest(ckpt_dir) is not None or ckpt.latest_checkpoint(ckpt_dir) is not None
+        return holds_checkpoint(ckpt_dir)
 
     def save(self, loop) -> Path:
         # every MoE layer of the whole model: this stage fills its rows, the sum over the world adds the dp

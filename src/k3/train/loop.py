@@ -66,6 +66,11 @@ def _scalar(loss) -> float:
     return float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
 
 
+def holds_checkpoint(ckpt_dir: Path) -> bool:
+    """A checkpoint of either kind (single-process or distributed) lives there: a new run must not mix with it."""
+    return ckpt.latest_checkpoint(ckpt_dir) is not None or ckpt.latest_distributed(ckpt_dir) is not None
+
+
 class LocalContext:
     """A world of one process: the ordinary case. A distributed context (`k3.parallel.train.DistributedContext`)
     has the same methods and splits the work over ranks."""
@@ -116,8 +121,7 @@ class LocalContext:
         return ckpt.latest_checkpoint(ckpt_dir)
 
     def holds_any(self, ckpt_dir: Path) -> bool:
-        """A checkpoint of either kind (single-process or distributed) lives there."""
-        return self.latest(ckpt_dir) is not None or ckpt.latest_distributed(ckpt_dir) is not None
+        return holds_checkpoint(ckpt_dir)
 
     def save(self, loop: "Loop") -> Path:
         return ckpt.save_checkpoint(loop.ckpt_dir, loop.step, loop.model, loop.optimizer, loop.model.config,
@@ -126,11 +130,12 @@ class LocalContext:
 
     def load(self, loop: "Loop", path: Path) -> dict:
         """Restore model, optimizer and RNG from `path`; the manifest, with the recorded train config as "train"."""
-        if ckpt.latest_checkpoint(path) is None and ckpt.latest_distributed(path) is not None:
+        single = ckpt.latest_checkpoint(path)
+        if single is None and ckpt.latest_distributed(path) is not None:
             raise ValueError(f"{path} holds a distributed (DCP) checkpoint, which one process cannot continue here; "
                              "continue it with `k3 train --resume` (any --nproc, a world of one included: DCP "
                              "reshards)")
-        if ckpt.latest_checkpoint(path) is None and not (path / ckpt.MANIFEST).is_file():
+        if single is None and not (path / ckpt.MANIFEST).is_file():
             raise ValueError(f"--resume: no checkpoint found in {path}; run without --resume to start")
         manifest = ckpt.load_checkpoint(path, loop.model, loop.optimizer, loop.model.config)
         extra = manifest.get("extra", {})
