@@ -60,6 +60,10 @@ class TrainConfig:
     compile: bool | str = flag(False, "torch.compile the model (default backend inductor; off unless given)",
                                nargs="?", const="inductor", metavar="BACKEND")
     device: str = flag("auto", choices=("auto", "cpu", "cuda"))
+    # the arithmetic of forward and loss: fp32, or bf16 autocast (fp32 master weights and optimizer state either
+    # way); "auto" is resolved by k3.train.precision before a run starts
+    precision: str = flag("fp32", "fp32, bf16 (autocast; weights and optimizer state stay fp32), or auto: "
+                          "bf16 only where a probe on this host measures it faster", choices=("auto", "fp32", "bf16"))
     record_attnres: bool = True
     measure_mfu: bool = True
 
@@ -90,6 +94,8 @@ class TrainConfig:
             raise FieldError("qk_clip_tau", f"{self.qk_clip_tau} must be a number >= 0 (0: no QK-Clip)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise FieldError("device", f"{self.device!r}; choose auto, cpu or cuda")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise FieldError("precision", f"{self.precision!r}; choose auto, fp32 or bf16")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise FieldError("device", "cuda but CUDA is not available")
         if self.compile not in (False, True, "") and self.compile not in _compile_backends():

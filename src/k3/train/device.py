@@ -24,7 +24,13 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def autocast(device: torch.device):
+def autocast(device: torch.device, precision: str = "fp32"):
+    """The autocast a forward runs under: bf16 on CUDA always (as before), on a CPU only with precision "bf16"
+    ("auto" must be resolved first: k3.train.precision)."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision != "fp32":
+        raise ValueError(f"precision {precision!r}: resolve 'auto' before training (k3.train.precision)")
     return contextlib.nullcontext()

@@ -107,7 +107,7 @@ class Trainer(Loop):
         for micro in range(tc.accum):
             x, y, d = self.micro_batch(step, micro)
             t1 = time.perf_counter()
-            with record_function("k3::forward"), autocast(self.device):
+            with record_function("k3::forward"), autocast(self.device, self.tc.precision):
                 logits = self.forward(x) if d is None else self.forward(x, doc_ids=d)
                 loss = self.loss_fn(logits, x, y)
                 aux = model.aux_loss()
