@@ -19,6 +19,13 @@ def test_stream_plan_splits_ram_and_adds_the_disk():
     assert r["s_per_token_no_prefetch"] == pytest.approx(r["trunk_s"] + r["experts_s"] + r["disk_s"])
     # a perfect lookahead hides the disk behind the compute
     assert r["s_per_token_prefetch"] == pytest.approx(max(r["trunk_s"] + r["experts_s"], r["disk_s"]))
+    # half guessed: half the reads wait, and the one disk bounds the whole; never slower than no prefetch
+    for disk in (1.0, 0.001):  # compute-bound, disk-bound
+        h = stream_plan(cfg, ram_gb=ram, disk_gbps=disk, mem_gbps=10.0, expert_gbps=0.5, dense_precision="fp32",
+                        lookahead=0.5, overhead_gb=0.0)
+        compute = h["trunk_s"] + h["experts_s"]
+        assert h["s_per_token_prefetch"] == pytest.approx(max(compute + h["disk_s"] / 2, h["disk_s"]))
+        assert h["s_per_token_prefetch"] <= h["s_per_token_no_prefetch"]
     more = stream_plan(cfg, ram_gb=ram * 1.2, disk_gbps=1.0, dense_precision="fp32", overhead_gb=0.0)
     assert more["hit_rate"] > r["hit_rate"]
 

@@ -10,9 +10,11 @@ routing hits more, so this is a floor). With
     t_experts = active / expert_gbps                    (dequantizing and applying the packed experts)
     t_disk    = miss / disk_gbps
 without prefetch the three add up; with the lookahead prefetch, the share `lookahead` of the misses is read by
-the background thread while the previous layer computes, so
-    t = max(t_trunk + t_experts, t_disk) + (1 - lookahead) * t_disk
-(the wrong guesses are read again on demand). Memory: the trunk in `dense_precision`, the expert cache (the
+the background thread while the previous layer computes, the rest on demand (the compute waits for them), and
+the one disk serves both, so
+    t = max(t_trunk + t_experts + (1 - lookahead) * t_disk, t_disk)
+Prefetch never costs time in this model; a wrong guess also reads an expert nobody uses (measured in
+benchmarks/stream.py), which it leaves out: where the disk is the wall, that is a floor on t. Memory: the trunk in `dense_precision`, the expert cache (the
 rest of `ram`), and the dequantization workspace of one layer's k experts in fp32.
 """
 from __future__ import annotations
@@ -68,7 +70,7 @@ def stream_plan(config: K3Config, ram_gb: float, disk_gbps: float, mem_gbps: flo
     miss = (1 - hit) * active
     t_trunk, t_experts, t_disk = read_params * eb / (mem_gbps * GB), active / (expert_gbps * GB), miss / (disk_gbps * GB)
     serial = t_trunk + t_experts + t_disk
-    overlapped = max(t_trunk + t_experts, t_disk) + (1 - lookahead) * t_disk
+    overlapped = max(t_trunk + t_experts + (1 - lookahead) * t_disk, t_disk)
     out.update(cache_gb=cache / GB, hit_rate=hit, active_bytes_per_token=active, bytes_read_per_token=miss,
                trunk_s=t_trunk, experts_s=t_experts, disk_s=t_disk, s_per_token_no_prefetch=serial,
                s_per_token_prefetch=overlapped, tokens_per_s_no_prefetch=1 / serial,
