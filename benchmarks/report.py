@@ -411,6 +411,27 @@ HEADLINES = {
         ("tokens_per_s", "mini training tokens/s (fp32 CPU)", ""),
         ("mfu", "mini training MFU vs measured fp32 matmul peak", ">= 0.20"),
     ],
+    "peers": [
+        ("best.k3.val_bpb", "k3 mini, validation bits/byte after the per-run budget at its best lr of the sweep (the "
+                            "demo's data, batch, schedule, document masking and validation tokens)", ""),
+        ("best.llama.val_bpb", "HF Llama of mini's active parameter count, same data, loop, budget and tokens: "
+                               "bits/byte at its best lr", ""),
+        ("k3_minus_llama_bpb", "k3 mini - Llama, best against best (bits/byte; negative: k3 ahead)", ""),
+        ("best.k3.lr", "k3 mini's best peak lr of the sweep", ""),
+        ("best.llama.lr", "the Llama's best peak lr of the sweep", ""),
+        ("best.k3.tokens_per_s", "k3 mini training tokens/s (that run)", ""),
+        ("best.llama.tokens_per_s", "Llama training tokens/s (that run)", ""),
+        ("llama_over_k3_tokens_per_s", "Llama / k3 mini training tokens/s", ""),
+    ],
+    "demo_sweep": [
+        ("best.val_bpb_fixed", "k3 demo, best point of the lr x batch x precision sweep: validation bits/byte "
+                               "(scored on the default demo's windows)", "<= 1.70"),
+        ("best.val_bpb_end", "the same point, the demo's own figure (its batch's windows)", ""),
+        ("best.lr", "that point's peak lr", ""),
+        ("best.batch_size", "that point's batch size", ""),
+        ("best.precision", "that point's precision", ""),
+        ("best.steps", "that point's steps in the budget", ""),
+    ],
     "gpu": [
         ("peaks.bf16_matmul_tflops", "GPU bf16 8192^3 matmul TFLOP/s (the ceiling for the rows below)", ""),
         ("peaks.fp32_matmul_tflops", "GPU fp32 8192^3 matmul TFLOP/s (tf32 off)", ""),
