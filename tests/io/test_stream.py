@@ -139,3 +139,36 @@ def test_serving_loads_streamed_and_the_flags_are_checked(folder, capsys):
     assert "--ram-budget" in capsys.readouterr().err
     assert main(["serve", "--ckpt", str(folder), "--stream-experts", "--ram-budget", "1KB"]) != 0
     assert "give at least" in capsys.readouterr().err
+
+
+def test_fp8_trunk_is_smaller_and_equals_its_dequantized_weights(folder, capsys):
+    """trunk="fp8": the trunk's matrices stored as e4m3 with a scale per row (torchao), filled block by block.
+    Under half the fp32 trunk's bytes here (the embedding stays), and its logits are the fp32 streamed model's
+    with each of those matrices replaced by its dequantized fp8 value (this random model amplifies a 2.5% weight
+    error into far more in the logits, so the reference applies the same rounding)."""
+    ref = _streamed(folder)
+    fp8 = k3.load(folder, experts="stream", ram_budget="1GB", trunk="fp8")
+    try:
+        assert fp8.stream_info["trunk"] == "fp8"
+        assert fp8.stream_info["trunk_bytes"] < 0.5 * ref.stream_info["trunk_bytes"]
+        quantized = {n: m.weight for n, m in fp8.named_modules()
+                     if isinstance(m, torch.nn.Linear) and hasattr(m.weight, "qdata")}
+        assert quantized and not any(n.endswith("wkv_b") for n in quantized)
+        mods = dict(ref.named_modules())
+        with torch.no_grad():
+            for n, w in quantized.items():
+                mods[n].weight.copy_(w.qdata.float() * w.scale)
+            ids = torch.randint(3, fp8.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+            a, b = ref(ids), fp8(ids)
+        assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
+    finally:
+        ref.expert_cache.close()
+        fp8.expert_cache.close()
+    with pytest.raises(ValueError, match="trunk"):
+        k3.load(folder, trunk="fp8")
+    with pytest.raises(ValueError, match="'fp8'"):
+        k3.load(folder, experts="stream", ram_budget="1GB", trunk="fp4")
+    from k3.cli import main
+
+    assert main(["serve", "--ckpt", str(folder), "--trunk", "fp8"]) != 0
+    assert "--stream-experts" in capsys.readouterr().err

@@ -26,7 +26,7 @@ __all__ = ["load", "load_with_manifest", "CheckpointFormatError", "is_kimi_folde
 
 
 def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu",
-                       experts: str = "resident", ram_budget=None, prefetch: bool = True):
+                       experts: str = "resident", ram_budget=None, prefetch: bool = True, trunk: str | None = None):
     """(K3Model in eval mode, manifest dict) for any checkpoint k3.load accepts. The manifest is k3's own for
     k3 checkpoints; for an export it records where the model came from (`source`, `model_type`)."""
     p = Path(path)
@@ -35,6 +35,8 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
     shipped = {"tokenizer": str(tok)} if tok.is_file() else {}  # an export's or a release's own tokenizer
     if experts not in ("resident", "stream"):
         raise ValueError(f"experts = {experts!r}: use 'resident' (all in memory) or 'stream' (read from disk)")
+    if trunk is not None and experts != "stream":
+        raise ValueError(f"trunk = {trunk!r} applies to a streamed model: add experts='stream' and a ram_budget")
     if experts == "stream":
         if ram_budget is None:
             raise ValueError("experts='stream' needs ram_budget (e.g. '8GB'): the RAM for the trunk and the expert "
@@ -45,7 +47,7 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
                              "`k3 export --format kimi`, or load it with experts='resident'")
         from k3.io.stream import load_streaming
 
-        model = load_streaming(p, ram_budget, dtype=dtype, prefetch=prefetch)
+        model = load_streaming(p, ram_budget, dtype=dtype, prefetch=prefetch, trunk=trunk)
     elif mt in ("kimi_linear", "kimi_k3"):
         model = load_kimi(p, dtype=dtype, device=device)
     if mt in ("kimi_linear", "kimi_k3"):
@@ -84,7 +86,7 @@ def load_with_manifest(path: str | os.PathLike, dtype: torch.dtype | None = None
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu", experts: str = "resident",
-         ram_budget=None, prefetch: bool = True):
+         ram_budget=None, prefetch: bool = True, trunk: str | None = None):
     """K3Model (eval mode) from any checkpoint k3 reads; see the module docstring."""
     return load_with_manifest(path, dtype=dtype, device=device, experts=experts, ram_budget=ram_budget,
-                              prefetch=prefetch)[0]
+                              prefetch=prefetch, trunk=trunk)[0]

@@ -429,8 +429,65 @@ def _lookahead_hook(cache: ExpertCache, layer: int, router):
 
 
 # ---------------------------------------------------------------------------------------------- loading
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if hasattr(t, "qdata"):  # torchao Float8Tensor: fp8 codes and per-row scales
+        return t.qdata.numel() * t.qdata.element_size() + t.scale.numel() * t.scale.element_size()
+    return t.numel() * t.element_size()
+
+
 def _module_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t  # a tied head counts once
+    return sum(_tensor_bytes(t) for t in seen.values())
+
+
+def _fp8_linear(model: nn.Module):
+    """Which trunk matrices an fp8 trunk stores in fp8: every nn.Linear except MLA's wkv_b (its absorbed decode
+    reads the weight's values directly) and a head tied to the embedding (the embedding is a lookup)."""
+    tied = getattr(model, "head", None) is not None and model.head.weight is model.embed.weight
+
+    def keep(module: nn.Module, name: str) -> bool:
+        return (isinstance(module, nn.Linear) and not name.endswith("wkv_b")
+                and not (tied and name.endswith("head")))
+    return keep
+
+
+def _fill_in_parts(model, entries, tensors, chosen, path, dtype, fp8: bool) -> None:
+    """Materialize and fill the model one top-level part (embedding, each block, ...) at a time, each cast to
+    `dtype` and, with `fp8`, its matrices quantized to fp8 (torchao Float8WeightOnlyConfig: e4m3 codes, a scale
+    per row) before the next is read: the peak is the loaded trunk plus one block in full precision, not the
+    whole trunk in bf16 (113 GB for the released K3, against 57 GB in fp8)."""
+    from k3.io.kimi import CheckpointFormatError, _reset_unsaved
+
+    keep = _fp8_linear(model)
+    tied = model.head.weight is model.embed.weight
+    parts = [(f"layers.{i}", b) for i, b in enumerate(model.layers)]
+    parts += [(n, m) for n, m in model.named_children() if n != "layers"]
+    by_part: dict = {n: [] for n, _ in parts}
+    for e in entries:
+        head = e.k3.split(".")[0]
+        by_part[f"layers.{e.k3.split('.')[1]}" if head == "layers" else head].append(e)
+    if fp8:
+        from torchao.quantization import Float8WeightOnlyConfig, quantize_
+    for name, part in parts:
+        part.to_empty(device="cpu")
+        if dtype is not None:
+            part.to(dtype)
+        state = part.state_dict()
+        with torch.no_grad():
+            for e in by_part[name]:
+                t = e.to_k3([tensors.get(chosen[n]) for n in e.names])
+                key = e.k3[len(name) + 1:]
+                if tuple(t.shape) != tuple(state[key].shape):
+                    raise CheckpointFormatError(f"{path}: {e.names[0]}: as k3's {e.k3} it has shape "
+                                                f"{tuple(t.shape)}, config.json wants {tuple(state[key].shape)}")
+                state[key].copy_(t)
+        if fp8:
+            quantize_(part, Float8WeightOnlyConfig(), filter_fn=lambda m, fqn, p=name: keep(m, f"{p}.{fqn}"))
+    if tied:
+        model.head.weight = model.embed.weight  # re-tie after the parts were materialized apart
+    _reset_unsaved(model)
 
 
 def min_budget(trunk_bytes: int, expert_bytes: int, expert_fp32_bytes: int, top_k: int) -> int:
@@ -440,16 +497,19 @@ def min_budget(trunk_bytes: int, expert_bytes: int, expert_fp32_bytes: int, top_
 
 
 def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | None = None, prefetch: bool = True,
-                   drop_pages: bool = True):
+                   drop_pages: bool = True, trunk: str | None = None):
     """K3Model (eval mode) from a released-layout folder with MXFP4 routed experts, the experts streamed from the
     folder's files (see the module docstring). `ram_budget`: bytes (or '8GB') for the trunk, the expert cache
     and the dequantization workspace together; a budget below `min_budget` is refused with the numbers.
-    The model's `expert_cache` attribute is the ExpertCache (stats(), reset_stats(), clear(), close())."""
-    from k3.io.kimi import (CheckpointFormatError, Tensors, _converted_shape, _resolve_names, fill_model,
-                            read_config, tensor_map)
+    The model's `expert_cache` attribute is the ExpertCache (stats(), reset_stats(), clear(), close()).
+    `trunk="fp8"` stores the trunk's matrices in fp8 (e4m3, a scale per row; computed in `dtype`), half of bf16:
+    what fits the released K3's trunk (57 GB) in a 64 GB machine."""
+    from k3.io.kimi import CheckpointFormatError, Tensors, _converted_shape, _resolve_names, read_config, tensor_map
     from k3.quant.export import build_packed_model
 
     budget = parse_bytes(ram_budget)
+    if trunk not in (None, "fp8"):
+        raise ValueError(f"trunk = {trunk!r}: give None (the trunk in `dtype`) or 'fp8'")
     path = Path(path)
     d, config = read_config(path)
     if config.qat.get("expert_weights") != "mxfp4":
@@ -484,8 +544,16 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
     moes = model.moe_layers()
     dim, ffn = moes[0].experts.dim, moes[0].experts.ffn
     elt = (dtype or torch.float32).itemsize
-    trunk_bytes = sum(t.numel() * (elt if t.is_floating_point() else t.element_size())
-                      for n, t in model.state_dict().items() if ".experts." not in n)
+    fp8_weights = set()
+    if trunk == "fp8":
+        keep = _fp8_linear(model)
+        fp8_weights = {f"{n}.weight" for n, m in model.named_modules() if keep(m, n)}
+
+    def nbytes(n, t):
+        if n in fp8_weights:
+            return t.numel() + t.shape[0] * 4  # e4m3 codes + an fp32 scale per row
+        return t.numel() * (elt if t.is_floating_point() else t.element_size())
+    trunk_bytes = sum(nbytes(n, t) for n, t in model.state_dict().items() if ".experts." not in n)
     fp32_expert = 3 * dim * ffn * 4
     need = min_budget(trunk_bytes, store.expert_bytes, fp32_expert, config.n_active_experts)
     if budget < need:
@@ -495,7 +563,8 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
             f"{trunk_bytes / 1e9:.2f} GB + one token's {config.n_active_experts} experts of a layer "
             f"({config.n_active_experts} x {store.expert_bytes / 1e6:.2f} MB packed + "
             f"{fp32_expert / 1e6:.2f} MB dequantized) = {need / 1e9:.2f} GB; give at least "
-            f"{need / 1e9:.2f} GB (--ram-budget), or a smaller trunk (dtype bf16 halves it)")
+            f"{need / 1e9:.2f} GB (--ram-budget), or a smaller trunk ("
+            + ("dtype bf16 halves it, trunk='fp8' / --trunk fp8 quarters it)" if trunk is None else "there is none)"))
     chunk = config.n_active_experts
     capacity = budget - trunk_bytes - chunk * fp32_expert
     cache = ExpertCache(store, capacity, prefetch=prefetch)
@@ -503,9 +572,7 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
     for j, moe in enumerate(moes):
         e = moe.experts
         moe.experts = StreamedExperts(cache, j, e.n_experts, e.dim, e.ffn, chunk, workspace, e.act_format, e.glu)
-    model = fill_model(model.to_empty(device="cpu"), trunk_entries, tensors, chosen, path)
-    if dtype is not None:
-        model.to(dtype)
+    _fill_in_parts(model, trunk_entries, tensors, chosen, path, dtype, fp8=trunk == "fp8")
     if prefetch:  # the next MoE layer's experts, guessed when each channel mixer starts
         for li, block in enumerate(model.layers):
             nxt = [j for j, i in enumerate(moe_idx) if i > li]
@@ -515,7 +582,7 @@ def load_streaming(path: str | os.PathLike, ram_budget, dtype: torch.dtype | Non
     model.stream_info = {"ram_budget": budget, "trunk_bytes": _module_bytes(model), "expert_bytes": store.expert_bytes,
                          "experts_on_disk_bytes": store.expert_bytes * config.n_experts * len(moe_idx),
                          "cache_capacity": capacity, "workspace_bytes": chunk * fp32_expert,
-                         "min_budget": need, "prefetch": prefetch}
+                         "min_budget": need, "prefetch": prefetch, "trunk": trunk or str(dtype or torch.float32)}
     log.info("streaming %s: trunk %.2f GB resident, %.2f GB of experts on disk, cache %.2f GB",
              config.name, trunk_bytes / 1e9, model.stream_info["experts_on_disk_bytes"] / 1e9, capacity / 1e9)
     return model.eval()

@@ -36,16 +36,20 @@ def stream_plan(config: K3Config, ram_gb: float, disk_gbps: float, mem_gbps: flo
     if not 0 <= lookahead <= 1:
         raise ValueError(f"lookahead = {lookahead} is a share of the misses: give a value in [0, 1]")
     model = build_meta(config)
-    trunk_params = read_params = 0
+    eb = element_bytes(dense_precision)
+    trunk = read = 0.0
     for name, p in model.named_parameters():
         comp = component_of(model, name)
         if comp == "moe_routed":
             continue
-        trunk_params += p.numel()
+        nbytes = p.numel() * eb
+        if dense_precision == "fp8":  # as k3.io.stream's fp8 trunk stores it: a matrix's rows get an fp32 scale,
+            # the embedding and MLA's wkv_b (read by value in the absorbed decode) and the vectors stay bf16
+            fp8 = p.dim() == 2 and comp != "embedding" and not name.endswith("wkv_b.weight")
+            nbytes = p.numel() + 4 * p.shape[0] if fp8 else p.numel() * 2
+        trunk += nbytes
         if comp != "embedding":  # decode reads one row of the embedding, all of every other matrix
-            read_params += p.numel()
-    eb = element_bytes(dense_precision)
-    trunk = trunk_params * eb
+            read += nbytes
     moe = model.moe_layers()
     dim, ffn, k = moe[0].experts.dim, moe[0].experts.ffn, config.n_active_experts
     expert_bytes = 3 * dim * ffn * element_bytes("mxfp4")
@@ -68,7 +72,7 @@ def stream_plan(config: K3Config, ram_gb: float, disk_gbps: float, mem_gbps: flo
     hit = min(1.0, cache / on_disk)
     active = len(moe) * k * expert_bytes
     miss = (1 - hit) * active
-    t_trunk, t_experts, t_disk = read_params * eb / (mem_gbps * GB), active / (expert_gbps * GB), miss / (disk_gbps * GB)
+    t_trunk, t_experts, t_disk = read / (mem_gbps * GB), active / (expert_gbps * GB), miss / (disk_gbps * GB)
     serial = t_trunk + t_experts + t_disk
     overlapped = max(t_trunk + t_experts + (1 - lookahead) * t_disk, t_disk)
     out.update(cache_gb=cache / GB, hit_rate=hit, active_bytes_per_token=active, bytes_read_per_token=miss,

@@ -39,9 +39,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.ram_budget is None:
             raise ValueError("--stream-experts needs --ram-budget (e.g. 8GB): the RAM for the trunk and the expert cache")
         stream = dict(experts="stream", ram_budget=parse_bytes(args.ram_budget, "--ram-budget"),
-                      prefetch=not args.no_prefetch)
-    elif args.ram_budget is not None:
-        raise ValueError("--ram-budget bounds the streamed experts' cache; add --stream-experts (or drop it)")
+                      prefetch=not args.no_prefetch, trunk=args.trunk)
+        if args.trunk == "fp8":  # the rest (embedding, norms, MLA's wkv_b) in bf16, as `k3 plan` counts it
+            import torch
+
+            stream["dtype"] = torch.bfloat16
+    elif args.ram_budget is not None or args.trunk is not None:
+        raise ValueError(f"{'--ram-budget' if args.ram_budget is not None else '--trunk'} applies to streamed "
+                         "experts; add --stream-experts (or drop it)")
     model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config,
                                                   "cpu" if stream else resolve_device(args.device), **stream)
     fmt = chat_format(args.chat_format)
@@ -132,6 +137,9 @@ def register(sub) -> None:
                    help="with --stream-experts: RAM for the trunk and the expert cache together, e.g. 8GB")
     p.add_argument("--no-prefetch", action="store_true",
                    help="with --stream-experts: no lookahead prefetch of the next layer's experts")
+    p.add_argument("--trunk", choices=("fp8",), default=None,
+                   help="with --stream-experts: keep the trunk's matrices in fp8 (e4m3, a scale per row) and the rest "
+                        "in bf16: the released K3's trunk in 58 GB instead of 113")
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $K3_API_KEY, else none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (default: torch's choice)")
