@@ -64,3 +64,25 @@ def default_signals():
     yield
     for sig, handler in before.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _precision_cache(tmp_path_factory):
+    """`--precision auto` (the default of k3 train, demo, eval, sample and serve) reads this host's probe from a
+    cache of the test session's own that says bf16 is slower: tests never run the probe, and compute in fp32."""
+    import os
+
+    from k3.train.precision import host_key, store_probe
+
+    folder = tmp_path_factory.mktemp("k3_cache")
+    before = os.environ.get("K3_CACHE_DIR")
+    os.environ["K3_CACHE_DIR"] = str(folder)  # subprocesses (distributed runs) inherit it
+    slower = {"matmul_fp32_s": 1.0, "matmul_bf16_s": 1.0, "step_fp32_s": 1.0, "step_bf16_s": 2.0,
+              "measured_at": "a test's fake probe"}
+    for threads in range(1, max(os.cpu_count() or 1, torch.get_num_threads()) + 1):
+        store_probe(host_key(threads), slower)
+    yield folder
+    if before is None:
+        os.environ.pop("K3_CACHE_DIR", None)
+    else:
+        os.environ["K3_CACHE_DIR"] = before

@@ -103,8 +103,11 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
                "--minutes", "0.15", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2",
                "--sample-tokens", "4"])
     assert rc == 0
-    text = capsys.readouterr().out
+    cap = capsys.readouterr()
+    text = cap.out
     assert "bits per byte" in text and "unigram" in text
+    # the threads and the precision, each with why (the test session's cached probe: bf16 slower, so fp32)
+    assert "CPU thread(s): " in cap.err and "precision fp32: bf16 measured no faster" in cap.err
     for name in ("metrics.jsonl", "loss.png", "experts.png", "attnres.png", "samples.txt", "summary.json"):
         assert (out / name).is_file(), name
     s = json.loads((out / "summary.json").read_text())
@@ -113,6 +116,7 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     assert s["checkpoint"].endswith(f"step_{s['steps']:06d}")
     assert s["total_minutes"] < 0.15 + 0.2
     assert s["val_tokens_scored"] == 2 * 2 * 16  # counted over the windows the baseline and the model scored
+    assert s["precision"] == "fp32" and s["precision_reason"] and s["threads"] >= 1 and s["threads_reason"]
     assert (out / ".k3-demo").is_file()
 
 

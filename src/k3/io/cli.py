@@ -12,6 +12,20 @@ from k3.cli_checks import seed as seed_type
 from k3.train.cli import _bytes_per_token, check_sampling, generate_text, load_data_dir
 
 
+PRECISION_HELP = ("fp32, bf16 (autocast over the fp32 weights), or auto (default): bf16 on CUDA, and on a CPU only "
+                  "where a probe on this host, cached per host, measures it faster")
+
+
+def resolve_precision_flag(args: argparse.Namespace, device, quiet: bool = False) -> str:
+    """--precision, with "auto" settled (k3.train.precision); says on stderr what was chosen and why."""
+    from k3.train.precision import resolve_precision
+
+    precision, reason = resolve_precision(args.precision, device)
+    if not quiet:
+        print(f"precision {precision}: {reason}", file=sys.stderr)
+    return precision
+
+
 # ---------------------------------------------------------------------- k3 eval
 def cmd_eval(args: argparse.Namespace) -> int:
     from k3.train.metrics import bits_per_byte
@@ -44,14 +58,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq-len {seq_len} is longer than the model's max_context = {model.config.max_context}; "
                          f"give --seq-len {model.config.max_context} or less")
     check_dataset(files.val, "validation", model.config, 1, seq_len, 0)
+    precision = resolve_precision_flag(args, device, quiet=args.quiet or args.json)
     t0 = time.perf_counter()
     from tqdm.auto import tqdm
 
     total = eval_batch_count(files.val, args.batch_size, seq_len, args.max_batches)
     with tqdm(total=total, unit="batch", desc="eval", disable=args.quiet, file=sys.stderr, dynamic_ncols=True) as bar:
         loss = evaluate(model, files.val, args.max_batches, args.batch_size, seq_len, device=device,
-                        progress=bar.update)
+                        progress=bar.update, precision=precision)
     out = {"checkpoint": manifest["path"], "step": manifest["step"], "split": "val", "seq_len": seq_len,
+           "precision": precision,
            "val_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "seconds": round(time.perf_counter() - t0, 2)}
     bpt = _bytes_per_token(files.val)
     if bpt:
@@ -72,15 +88,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from k3.io import load_with_manifest
     from k3.io.trained import checkpoint_tokenizer
     from k3.train.device import resolve_device
+    from k3.train.precision import inference_autocast
 
     check_sampling(args.temperature, args.top_p, args.max_new_tokens)
     if args.num_samples < 1:
         raise ValueError(f"--num-samples {args.num_samples} must be >= 1")
-    model, manifest = load_with_manifest(args.ckpt, device=resolve_device(args.device))
+    device = resolve_device(args.device)
+    model, manifest = load_with_manifest(args.ckpt, device=device)
     tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
+    precision = resolve_precision_flag(args, device)
     for i in range(args.num_samples):
-        text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                             args.seed + i, skip_special=not args.keep_special)
+        with inference_autocast(device, precision):
+            text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                                 args.seed + i, skip_special=not args.keep_special)
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(text)
@@ -161,6 +181,7 @@ def register(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="default: the training seq_len")
     p.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help=PRECISION_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_eval)
@@ -178,6 +199,7 @@ def register(sub) -> None:
                         "are left out, as the server's completions do")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the one the checkpoint names)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help=PRECISION_HELP)
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("export", help="export a checkpoint: packed MX routed experts (--format mx), an HF "

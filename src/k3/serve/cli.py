@@ -7,8 +7,11 @@ import sys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
     from k3.train.cli import set_threads
     from k3.train.device import resolve_device
+    from k3.train.precision import resolve_precision
 
     # every check (checkpoint, config, tokenizer) runs before the port opens
     for name in ("max_batch", "prefill_chunk", "default_max_tokens"):
@@ -47,8 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.ram_budget is not None or args.trunk is not None:
         raise ValueError(f"{'--ram-budget' if args.ram_budget is not None else '--trunk'} applies to streamed "
                          "experts; add --stream-experts (or drop it)")
-    model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config,
-                                                  "cpu" if stream else resolve_device(args.device), **stream)
+    device = torch.device("cpu") if stream else resolve_device(args.device)
+    model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, device, **stream)
+    if stream and args.precision == "auto":  # the probe measured k3's own layers, not the streamed released model
+        precision, precision_reason = "fp32", "auto with --stream-experts: fp32 (--precision bf16 to choose bf16)"
+    else:
+        precision, precision_reason = resolve_precision(args.precision, device)
     fmt = chat_format(args.chat_format)
     if fmt.check_tokenizer is not None:
         try:
@@ -59,12 +66,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or f"k3-{model.config.name}"
     engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_bytes,
-                    prefix_block=args.prefix_block)
+                    prefix_block=args.prefix_block, precision=precision)
     app = create_app(engine, name, default_max_tokens=args.default_max_tokens,
                      api_key=args.api_key or os.environ.get("K3_API_KEY") or None, worker_threads=threads,
                      chat_format_name=args.chat_format)
     print(f"k3 serve: {name} from {manifest['path']} (step {manifest.get('step')}), context "
-          f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s), prefix "
+          f"{model.config.max_context}, batch {args.max_batch}, queue {args.max_queue}, {threads} thread(s), "
+          f"{precision} ({precision_reason}), prefix "
           f"cache {f'{args.prefix_cache_bytes / 2**20:,.0f} MiB' if args.prefix_cache_bytes else 'off'}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
@@ -143,5 +151,8 @@ def register(sub) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $K3_API_KEY, else none)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for the model (default: torch's choice)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="fp32, bf16 (autocast over the fp32 weights), or auto (default): bf16 on CUDA, and on a CPU "
+                        "only where a probe on this host, cached per host, measures it faster")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)

@@ -31,6 +31,7 @@ from k3.data.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS
 from k3.model.cache import HybridCache
 from k3.model.sampling import SamplingParams, apply_penalties, sample_row
 from k3.serve.prefix_cache import PrefixCache
+from k3.train.precision import inference_autocast
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,16 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int = 512, eos_id: int | None = None, packed_prefill: bool = True,
                  prefix_cache_bytes: int = 0, prefix_block: int = 256, fork_prefill: bool = True,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, precision: str = "fp32"):
         for name, v, lo in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
                             ("prefill_chunk", prefill_chunk, 1), ("prefix_cache_bytes", prefix_cache_bytes, 0),
                             ("prefix_block", prefix_block, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} = {v!r} must be an integer >= {lo}")
+        if precision not in ("fp32", "bf16"):  # the model's forwards run under its autocast (k3.train.precision)
+            raise ValueError(f"precision = {precision!r}: give fp32 or bf16 (resolve auto with "
+                             "k3.train.precision.resolve_precision)")
+        self.precision = precision
         self.model = model.eval()
         self.config = model.config
         self.tokenizer = tokenizer
@@ -258,6 +263,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit, prefill one chunk round, decode one token for every running request. Returns finished ones."""
+        with inference_autocast(self.device, self.precision):
+            return self._step()
+
+    def _step(self) -> list[Request]:
         self.steps += 1
         done: list[Request] = []
         self._drop_cancelled(done)

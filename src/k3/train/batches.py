@@ -122,10 +122,11 @@ def eval_batch_count(dataset, batch_size: int, seq_len: int, max_batches: int | 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: int, seq_len: int, seed: int = 0,
              device: torch.device | str = "cpu", progress: Callable[[int], None] | None = None,
-             doc_mask: bool = False) -> float:
+             doc_mask: bool = False, precision: str = "fp32") -> float:
     """Mean cross-entropy (nats / token) over `batches` validation batches spread evenly over the split (None:
     all of them; see `eval_batches`). `progress(1)` is called after each batch. `doc_mask` (a dataset with
-    `has_documents`): each packed document is read on its own, as a prompt is served."""
+    `has_documents`): each packed document is read on its own, as a prompt is served. `precision`: fp32 or bf16
+    (autocast; resolve auto first, k3.train.precision)."""
     docs = doc_mask and has_documents(dataset)
     device = torch.device(device)
     was_training = model.training
@@ -134,7 +135,7 @@ def evaluate(model: torch.nn.Module, dataset, batches: int | None, batch_size: i
     try:
         for batch in eval_batches(dataset, batch_size, seq_len, batches, seed, docs=docs):
             x, y = batch[0].to(device), batch[1].to(device)
-            with autocast(device):
+            with autocast(device, precision):
                 logits = model(x) if not docs else model(x, doc_ids=batch[2].to(device))
             total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
                                            reduction="sum"))

@@ -50,8 +50,8 @@ def load_data_dir(path: str | Path):
 class Progress:
     """A tqdm bar fed by the trainer's callbacks: loss and tokens/s per step, a line per evaluation."""
 
-    def __init__(self, trainer, desc: str = "train", enabled: bool = True):
-        self.trainer, self.desc, self.enabled = trainer, desc, enabled
+    def __init__(self, trainer, desc: str = "train", enabled: bool = True, header: str | None = None):
+        self.trainer, self.desc, self.enabled, self.header = trainer, desc, enabled, header
         self.bar = None
 
     def on_step(self, rec: dict) -> None:
@@ -60,6 +60,8 @@ class Progress:
         from tqdm.auto import tqdm
 
         if self.bar is None:
+            if self.header:  # once training has started: not before an error that stops the run at once
+                print(self.header, file=sys.stderr)
             self.bar = tqdm(total=self.trainer.tc.steps, initial=rec["step"] - 1, unit="step", desc=self.desc,
                             dynamic_ncols=True, file=sys.stderr)
         if self.bar.total != self.trainer.tc.steps:
@@ -100,6 +102,12 @@ def _bytes_per_token(ds) -> float | None:
 
 def set_threads(n: int | None, auto: bool = False) -> int:
     """Intra-op CPU threads: `n` if given; with `auto`, the cores the load average leaves free (at least 1).
+    Returns the thread count (`choose_threads` also says why)."""
+    return choose_threads(n, auto)[0]
+
+
+def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
+    """set_threads, returning (threads, why they were chosen).
 
     On a machine shared with other jobs, more threads than free cores make every op wait on the slowest
     thread (measured on the shared 2-core dev machine at load ~5: a `mini` step took 3-90 s with 2 threads,
@@ -112,10 +120,14 @@ def set_threads(n: int | None, auto: bool = False) -> int:
         raise ValueError(f"--threads {n}: give a positive number of CPU threads (0 or none: the default)")
     if n:
         torch.set_num_threads(n)
-    elif auto and hasattr(os, "getloadavg"):
-        free = (os.cpu_count() or 1) - os.getloadavg()[0]
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), int(free + 0.5))))
-    return torch.get_num_threads()
+        return torch.get_num_threads(), f"--threads {n} given"
+    if auto and hasattr(os, "getloadavg"):
+        cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+        free = max(1, min(torch.get_num_threads(), int(cores - load + 0.5)))
+        torch.set_num_threads(free)
+        return torch.get_num_threads(), (f"{cores} cores, load average {load:.1f} leaves {free} free (--threads N "
+                                         "to choose)")
+    return torch.get_num_threads(), "torch's default for this machine"
 
 
 def _with_qat(config, args):
@@ -145,7 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     files = load_data_dir(args.data)
     trainer = Trainer(config, tc, files.train, files.val, args.out, bytes_per_token=_bytes_per_token(files.val),
                       data_info=_data_info(files), overwrite=args.overwrite)
-    progress = Progress(trainer, desc=f"train {config.name}", enabled=not args.quiet)
+    progress = Progress(trainer, desc=f"train {config.name}", enabled=not args.quiet,
+                        header=f"precision {trainer.tc.precision}: {trainer.precision_reason}")
     try:
         result = trainer.fit(resume=args.resume, on_step=progress.on_step, on_eval=progress.on_eval,
                              graceful_interrupt=True)
@@ -238,7 +251,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from k3.train.batches import eval_batches
 
     t_start = time.perf_counter()
-    threads = set_threads(args.threads, auto=True)
+    threads, threads_reason = choose_threads(args.threads, auto=True)
     if not args.minutes > 0:
         raise ValueError(f"--minutes = {args.minutes} must be positive")
     if args.max_steps < 1:
@@ -287,7 +300,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     counts = count_params(trainer.model)
     print(f"k3 demo: training {config.name} ({counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M "
           f"active) for about {budget_min:.1f} min on {trainer.device}; batch {tc.batch_size} x {tc.seq_len} tokens, "
-          f"{tc.optimizer}, lr {tc.lr}, {threads} CPU thread(s)", file=sys.stderr)
+          f"{tc.optimizer}, lr {tc.lr}", file=sys.stderr)
+    print(f"k3 demo: {threads} CPU thread(s): {threads_reason}", file=sys.stderr)
+    print(f"k3 demo: precision {trainer.tc.precision}: {trainer.precision_reason}", file=sys.stderr)
     progress = Progress(trainer, desc=f"demo {config.name}", enabled=True)
     try:
         result = trainer.fit(on_step=progress.on_step, on_eval=progress.on_eval, graceful_interrupt=True)
@@ -323,7 +338,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "unigram_loss": unigram, "unigram_bpb": bits_per_byte(unigram, bpt),
         "last_train_loss": result.losses[-1] if result.losses else None,
         "planned_steps": trainer.tc.steps, "stopped_by_time_budget": result.stopped_early,
-        "checkpoint": result.checkpoint,
+        "checkpoint": result.checkpoint, "threads": threads, "threads_reason": threads_reason,
+        "precision": trainer.tc.precision, "precision_reason": trainer.precision_reason,
     }
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(f"\nk3 demo: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['train_minutes']:.1f} min "
@@ -363,9 +379,11 @@ def _check_demo_dirs(data: Path, out: Path) -> None:
 # TrainConfig's flags each command takes (k3.cli_checks.flag: one name and help per setting)
 TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "accum", "lr", "optimizer", "warmup_steps", "max_minutes",
                "eval_every", "eval_batches", "ckpt_every", "keep_last", "seed", "doc_mask", "activation_checkpointing",
-               "compile", "device")
+               "compile", "device", "precision")
 DEMO_FLAGS = ("batch_size", "seq_len", "lr", "optimizer", "warmup_steps", "eval_batches", "ckpt_every", "seed",
-              "doc_mask")
+              "doc_mask", "precision")
+PRECISION_HELP = ("fp32, bf16 (autocast; weights and optimizer state stay fp32), or auto (default): bf16 only where a "
+                  "probe on this host, cached per host, measures a training step faster")
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -382,8 +400,9 @@ def register(sub) -> None:
     p.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
     from k3.train.config import TrainConfig
 
-    add_flags(p, TrainConfig, only=TRAIN_FLAGS, defaults={"steps": 1000, "seq_len": 256, "eval_every": 100},
-              helps={"warmup_steps": "LR warmup steps (default 5%% of --steps)"})
+    add_flags(p, TrainConfig, only=TRAIN_FLAGS,
+              defaults={"steps": 1000, "seq_len": 256, "eval_every": 100, "precision": "auto"},
+              helps={"warmup_steps": "LR warmup steps (default 5%% of --steps)", "precision": PRECISION_HELP})
     _add_threads(p)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint's latest step")
     p.add_argument("--overwrite", action="store_true", help="start over even if OUT already has a checkpoint")
@@ -402,7 +421,9 @@ def register(sub) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget for the whole demo (default 10)")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"where the tokenized data lives (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    add_flags(p, TrainConfig, only=DEMO_FLAGS, defaults={"batch_size": 4, "warmup_steps": 10, "eval_batches": 16})
+    add_flags(p, TrainConfig, only=DEMO_FLAGS,
+              defaults={"batch_size": 4, "warmup_steps": 10, "eval_batches": 16, "precision": "auto"},
+              helps={"precision": PRECISION_HELP})
     _add_threads(p)
     p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
     p.add_argument("--sample-tokens", type=int, default=80, help="tokens per sample in samples.txt")

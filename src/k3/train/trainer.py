@@ -52,6 +52,9 @@ class Trainer(Loop):
         if val_data is not None:
             check_dataset(val_data, "validation", config, tc.batch_size, tc.seq_len, tc.seed)
         ctx = ctx if ctx is not None else LocalContext(resolve_device(tc.device))
+        # "auto" is settled here, once, so the loop, its records and its checkpoints name what ran
+        precision, self.precision_reason = _resolve_precision(tc.precision, ctx)
+        tc.precision = precision  # in place, as the loop sets tc.steps: callers keep adjusting the same config
         torch.manual_seed(tc.seed)  # model init is a function of the seed (on every rank alike)
         model = K3Model(config).to(ctx.device)
         if tc.activation_checkpointing:
@@ -60,7 +63,7 @@ class Trainer(Loop):
             model.attnres.record_weights = True
         model = ctx.prepare(model)  # a distributed context keeps this rank's stage and shards it
         super().__init__(model, tc, ctx=ctx, out_dir=out_dir, overwrite=overwrite, optimizer=ctx.optimizer(model, tc),
-                         data_info=data_info)
+                         data_info=data_info, manifest_extra={"precision_reason": self.precision_reason})
         self.config = config
         self.train_data, self.val_data = train_data, val_data
         # document masking needs a dataset that knows where its documents start (k3's packed datasets do)
@@ -125,6 +128,7 @@ class Trainer(Loop):
         if ctx.world > 1:  # the mean over the data-parallel ranks' rows
             loss_sum = float(ctx.all_sum(torch.tensor(loss_sum, dtype=torch.float64, device=self.device))) / ctx.dp
         return {"loss": loss_sum / tc.accum, "backward_done": True, "tokens": n_tok, "aux_loss": aux_sum / tc.accum,
+                "precision": tc.precision,
                 # host wall time per phase (on CUDA, device work shows up where the host waits for it)
                 "forward_s": round(t_fwd, 4), "backward_s": round(t_bwd, 4)}
 
@@ -168,12 +172,22 @@ class Trainer(Loop):
             return None
         t0 = time.perf_counter()
         loss = evaluate(self.model, self.val_data, self.tc.eval_batches, self.tc.batch_size, self.tc.seq_len,
-                        seed=self.tc.seed, device=self.device, doc_mask=self.doc_mask)
+                        seed=self.tc.seed, device=self.device, doc_mask=self.doc_mask, precision=self.tc.precision)
         self._eval_s = time.perf_counter() - t0
         rec = {"kind": "val", "step": self.step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         if self.bytes_per_token:
             rec["val_bpb"] = bits_per_byte(loss, self.bytes_per_token)
         return rec
+
+
+def _resolve_precision(requested: str, ctx) -> tuple[str, str]:
+    """TrainConfig.precision -> (fp32 | bf16, why). Several CPU processes do not probe: each would measure a
+    different share of the machine, and all ranks must agree."""
+    from k3.train.precision import resolve_precision
+
+    if requested == "auto" and ctx.world > 1 and ctx.device.type == "cpu":
+        return "fp32", f"auto in a {ctx.world}-process CPU run: fp32 (the bf16 probe measures one process)"
+    return resolve_precision(requested, ctx.device)
 
 
 def _load_record(loads: list[torch.Tensor]) -> dict:
