@@ -25,6 +25,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.ops.amp import autocast_on
 from k3.ops.attnres import IMPLS, Phase1Stats, attnres_mix, blockwise_mix, merged_weights, phase1, phase2
+from k3.ops.attnres.decode import decode_key, decode_mix
 
 __all__ = ["AttnRes", "AttnResState"]
 
@@ -58,6 +59,7 @@ class AttnResState:
     block_start: int = 0
     stats: Phase1Stats | None = None
     shape: tuple[int, ...] = ()
+    keys: list[torch.Tensor] = field(default_factory=list)  # decode: normalised keys of completed[:len(keys)]
 
 
 class AttnRes(nn.Module):
@@ -135,6 +137,8 @@ class AttnRes(nn.Module):
             h, weights = attnres_mix(torch.stack(state.completed + state.current), q, g, self.eps)
             self._record(j, weights)
             return h
+        if state.shape[1] == 1:  # decode: one token per row, a few kernels (k3.ops.attnres.decode)
+            return self._decode_mix(state, j)
         if state.stats is None:  # first mix of the block: phase 1 for all of its queries at once
             j0, j1 = state.block_start, min(state.block_start + self.block_sublayers, self.n_sublayers)
             queries = torch.stack([self.pseudo_query[k] for k in range(j0, j1)])
@@ -176,9 +180,20 @@ class AttnRes(nn.Module):
         q, g = self.pseudo_query[j], self.key_norm[j]
         if self.impl == "naive":
             h, weights = attnres_mix(torch.stack(state.completed + state.current), q, g, self.eps)
+        elif state.shape[1] == 1:
+            return self._decode_mix(state, j)
         else:
             extra = torch.stack(state.current) if state.current else None
             h, weights = blockwise_mix(torch.stack(state.completed), q, g, extra, self.eps)
+        self._record(j, weights)
+        return h
+
+    def _decode_mix(self, state: AttnResState, j: int) -> torch.Tensor:
+        """Mix j at T = 1: a completed source's key is normalised once, when it is first mixed."""
+        while len(state.keys) < len(state.completed):
+            state.keys.append(decode_key(state.completed[len(state.keys)], self.eps))
+        keys = state.keys + [decode_key(c, self.eps) for c in state.current]
+        h, weights = decode_mix(keys, state.completed + state.current, self.pseudo_query[j], self.key_norm[j])
         self._record(j, weights)
         return h
 

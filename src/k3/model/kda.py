@@ -77,6 +77,11 @@ class KimiDeltaAttention(nn.Module):
             y = sum(self.conv_weight[:, 0, W - 1 - j] * _shift(x, j) * segments.same[j][..., None]
                     for j in range(W))
             return F.silu(y)
+        if T == 1 and cache is not None and cache.conv_state is not None:
+            # decode: the one output is a [C, W] dot product; F.conv1d on a [B, C, W] window costs ~10x more
+            window = torch.cat([cache.conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W]
+            cache.conv_state = window[..., 1:]
+            return F.silu((window * self.conv_weight[:, 0]).sum(-1)).unsqueeze(1)
         x = x.transpose(1, 2)
         prev = cache.conv_state if cache is not None else None  # its shape: HybridCache.check
         prev = x.new_zeros(B, C, self.conv_size - 1) if prev is None else prev.to(x.dtype)

@@ -456,6 +456,8 @@ class RoutedExperts(nn.Module):
     def _grouped(self, x, weights, experts, w1, w3, w2):
         """Sort the N*k token-slots by expert once, run all experts as grouped matmuls, unsort, combine."""
         N, k = experts.shape
+        if self.backend == "auto" and _few_slots(x, experts, w1):
+            return self._few_tokens(x, weights, experts, w1, w3, w2)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts)
@@ -464,6 +466,38 @@ class RoutedExperts(nn.Module):
         inverse[order] = torch.arange(order.numel(), device=order.device)
         out = out_sorted[inverse].view(N, k, self.dim)
         return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+
+    def _few_tokens(self, x, weights, experts, w1, w3, w2):
+        """`_grouped` for a decode step (`_few_slots`): only the chosen experts run, each on its rows, and the glu
+        once over all rows. torch._grouped_mm's CPU kernel visits all E experts, the empty ones too: at batch 1
+        (8 of 64 chosen) that was most of a decode step's MoE time (docs/serving.md, decode)."""
+        N, k = experts.shape
+        ids = experts.reshape(-1).tolist()
+        order = sorted(range(N * k), key=ids.__getitem__)  # token-slots grouped by expert (stable)
+        runs, a = [], 0
+        for b in range(1, N * k + 1):
+            if b == N * k or ids[order[b]] != ids[order[a]]:
+                runs.append((ids[order[a]], a, b))
+                a = b
+        order_t = torch.tensor(order, device=x.device)
+        xs = x if N == 1 else x.index_select(0, order_t // k)  # rows in expert order (N = 1: every run reads x)
+        rows = [x if N == 1 else xs[a:b] for _, a, b in runs]
+        gate = torch.cat([r @ w1[e] for r, (e, _, _) in zip(rows, runs)])
+        up = torch.cat([r @ w3[e] for r, (e, _, _) in zip(rows, runs)])
+        h = self.quant_act(self.glu(gate, up))
+        out_sorted = torch.cat([h[a:b] @ w2[e] for e, a, b in runs])
+        out = torch.empty_like(out_sorted).index_copy_(0, order_t, out_sorted).view(N, k, self.dim)
+        return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
+
+
+DECODE_MAX_SLOTS = 64  # token-slots (tokens x top-k) up to which a gradient-free CPU call runs `_few_tokens`
+
+
+def _few_slots(x: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor) -> bool:
+    """A decode step's routed experts: on the CPU, no gradient, at most `DECODE_MAX_SLOTS` token-slots (batch 8 at
+    top-8), where most of the E experts get no row."""
+    return (x.device.type == "cpu" and experts.numel() <= DECODE_MAX_SLOTS
+            and not (torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad)))
 
 
 # ---------------------------------------------------------------------------------------------- MoE

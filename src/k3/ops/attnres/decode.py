@@ -1,0 +1,32 @@
+"""Attention Residuals for a decode step: the same mix as `naive.attnres_mix`, in a few kernels.
+
+At one token per row a mix is a handful of [B, D] vectors, and the two-phase form (blockwise.py) spends ~37 small
+kernels on each; here the sources' normalised keys are computed once, when a source is made, and every later
+sublayer's mix is one stack, one mat-vec for the logits, a softmax and a weighted sum (docs/serving.md, decode).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.attnres.naive import compute_dtype
+
+__all__ = ["decode_key", "decode_mix"]
+
+
+def decode_key(source: torch.Tensor, eps: float) -> torch.Tensor:
+    """source [B, T, D] -> its key RMSNorm(source) without weight, [B, T, D] in the compute dtype (fp32 / fp64)."""
+    return F.rms_norm(source.to(compute_dtype(source)), (source.shape[-1],), eps=eps)
+
+
+def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: torch.Tensor,
+               norm_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys[i] = decode_key(sources[i]); sources: S tensors [B, T, D]; query, norm_weight [D] ->
+    h [B, T, D] (sources' dtype) and the weights over sources [B, T, S], as `naive.attnres_mix` returns them."""
+    k = torch.stack(keys)  # [S, B, T, D]
+    S, B, T, D = k.shape
+    q = query.to(k.dtype) if norm_weight is None else query.to(k.dtype) * norm_weight.to(k.dtype)
+    w = torch.mv(k.view(-1, D), q).view(S, B * T).softmax(dim=0)  # [S, B*T]
+    v = torch.stack(sources)
+    h = torch.bmm(w.t().unsqueeze(1), v.to(w.dtype).view(S, B * T, D).transpose(0, 1))  # [B*T, 1, D]
+    return h.view(B, T, D).to(v.dtype), w.t().view(B, T, S)

@@ -1,0 +1,110 @@
+"""Decode fast paths (one token per row, no gradient) against the general paths they stand in for."""
+import pytest
+import torch
+
+import k3.model.moe as moe
+from k3.config import get_config
+from k3.model.attnres import AttnRes
+from k3.model.moe import RoutedExperts
+from k3.model.transformer import K3Model
+from k3.ops.attnres import attnres_mix
+from k3.ops.attnres.decode import decode_key, decode_mix
+
+
+def _experts(E=16, dim=32, ffn=48):
+    torch.manual_seed(0)
+    return RoutedExperts(E, dim, ffn, init_std=0.2)
+
+
+@pytest.mark.parametrize("N", [1, 3, 8])
+def test_few_token_experts_equal_the_grouped_and_naive_paths(N, monkeypatch):
+    ex = _experts()
+    x = torch.randn(N, 32)
+    experts = torch.stack([torch.randperm(16)[:4] for _ in range(N)])
+    experts[-1] = experts[0]  # tokens sharing experts: runs of several rows
+    weights = torch.rand(N, 4)
+    calls = []
+    few = RoutedExperts._few_tokens
+    monkeypatch.setattr(RoutedExperts, "_few_tokens", lambda self, *a: calls.append(1) or few(self, *a))
+    with torch.inference_mode():
+        fast = ex(x, weights, experts)
+        assert calls, "the decode path was not taken"
+        ref = ex._naive(x, weights, experts, *ex.expert_weights())
+        monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
+        grouped = ex(x, weights, experts)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast, grouped, rtol=1e-5, atol=1e-6)
+
+
+def test_few_token_experts_stay_off_when_gradients_are_needed():
+    ex = _experts()
+    x = torch.randn(2, 32)
+    assert moe._few_slots(x, torch.zeros(2, 4, dtype=torch.long), ex.w1) is False  # weights require grad
+    with torch.no_grad():
+        assert moe._few_slots(x, torch.zeros(2, 4, dtype=torch.long), ex.w1) is True
+        assert moe._few_slots(x, torch.zeros(17, 4, dtype=torch.long), ex.w1) is False  # 68 slots > 64
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_decode_mix_equals_naive(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(3, 1, 24, generator=g, dtype=dtype) * (i + 1) for i in range(4)]
+    q, w = torch.randn(24, generator=g, dtype=dtype), torch.rand(24, generator=g, dtype=dtype) + 0.5
+    h, weights = decode_mix([decode_key(s, 1e-6) for s in sources], sources, q, w)
+    h_ref, weights_ref = attnres_mix(torch.stack(sources), q, w, 1e-6)
+    torch.testing.assert_close(h, h_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(weights, weights_ref, rtol=tol, atol=tol)
+
+
+def _mini_like(**over):
+    torch.manual_seed(0)
+    m = K3Model(get_config("tiny", **over)).eval()
+    with torch.no_grad():  # non-trivial AttnRes queries, so that the mixes are not uniform
+        for p in m.attnres.pseudo_query:
+            p.normal_(std=0.5)
+    return m
+
+
+def test_model_decode_steps_equal_the_reference_paths(monkeypatch):
+    """Prefill, then one token at a time: the fast paths (decode mix, few-token experts, the conv's dot product) give
+    the logits of the general paths (blockwise / naive AttnRes, grouped experts, F.conv1d) and the same greedy
+    tokens."""
+    model = _mini_like()
+    prompt = torch.randint(8, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        cache, ids, logits = model.new_cache(), prompt, []
+        with torch.inference_mode():
+            for _ in range(6):
+                out = model(ids, cache)[:, -1]
+                logits.append(out)
+                ids = out.argmax(-1, keepdim=True)
+        return torch.stack(logits)
+
+    fast = run()
+    monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
+    monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
+    from k3.model import kda as kda_mod
+    monkeypatch.setattr(kda_mod.KimiDeltaAttention, "_short_conv", _conv1d_only)
+    ref = run()
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+
+
+def _reference_mix(ar, state, j):
+    q, g = ar.pseudo_query[j], ar.key_norm[j]
+    h, _ = attnres_mix(torch.stack(state.completed + state.current), q, g, ar.eps)
+    return h
+
+
+def _conv1d_only(self, x, cache, segments=None):
+    """KimiDeltaAttention._short_conv's general branch (F.conv1d over the cached window)."""
+    import torch.nn.functional as F
+    B, T, C = x.shape
+    x = x.transpose(1, 2)
+    prev = cache.conv_state if cache is not None else None
+    prev = x.new_zeros(B, C, self.conv_size - 1) if prev is None else prev.to(x.dtype)
+    x = torch.cat([prev, x], dim=-1)
+    if cache is not None:
+        cache.conv_state = x[..., x.shape[-1] - (self.conv_size - 1):].clone()
+    return F.silu(F.conv1d(x, self.conv_weight, groups=C)).transpose(1, 2)
