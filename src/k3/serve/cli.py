@@ -7,8 +7,6 @@ import sys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import torch
-
     from k3.train.cli import set_threads
     from k3.train.device import resolve_device
     from k3.train.precision import resolve_precision
@@ -50,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.ram_budget is not None or args.trunk is not None:
         raise ValueError(f"{'--ram-budget' if args.ram_budget is not None else '--trunk'} applies to streamed "
                          "experts; add --stream-experts (or drop it)")
-    device = torch.device("cpu") if stream else resolve_device(args.device)
+    device = resolve_device("cpu" if stream else args.device)
     model, tokenizer, manifest = load_for_serving(args.ckpt, args.tokenizer, args.config, device, **stream)
     if stream and args.precision == "auto":  # the probe measured k3's own layers, not the streamed released model
         precision, precision_reason = "fp32", "auto with --stream-experts: fp32 (--precision bf16 to choose bf16)"
