@@ -56,15 +56,30 @@ def _cpu() -> tuple[str, list[str]]:
     return model or platform.processor() or platform.machine(), [f for f in BF16_FLAGS if f in flags]
 
 
+def _code_fingerprint() -> str:
+    """A short hash of the model and op sources: the step the probe timed is k3's own code, so a change to it
+    (a faster bf16 kernel, say) makes the cached choice stale."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(list((root / "model").rglob("*.py")) + list((root / "ops").rglob("*.py"))):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def host_key(threads: int | None = None) -> str:
-    """What the probe's result depends on: CPU model and bf16 flags, torch's CPU capability and version, threads."""
+    """What the probe's result depends on: CPU model and bf16 flags, torch's CPU capability and version, threads,
+    and the version of k3's model code."""
     model, flags = _cpu()
     threads = torch.get_num_threads() if threads is None else threads
     try:
         capability = torch.backends.cpu.get_cpu_capability()
     except AttributeError:
         capability = "?"
-    return f"{model} [{' '.join(flags) or 'no bf16 flags'}] {capability} torch {torch.__version__}, {threads} threads"
+    return (f"{model} [{' '.join(flags) or 'no bf16 flags'}] {capability} torch {torch.__version__}, {threads} "
+            f"threads, k3 code {_code_fingerprint()}")
 
 
 def cache_path() -> Path:
