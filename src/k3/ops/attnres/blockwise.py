@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3.ops.amp import no_autocast
 from k3.ops.attnres.naive import check_query, check_sources, rms_normalize
 
 __all__ = ["Phase1Stats", "Phase2Out", "blockwise_mix", "merged_weights", "phase1", "phase2"]
@@ -70,12 +71,13 @@ def phase1(sources: torch.Tensor, queries: torch.Tensor, norm_weights: torch.Ten
         raise ValueError(f"queries must have shape [Q, D] with D = {d}, got {list(queries.shape)}")
     check_query(queries, d, "queries", leading=(queries.shape[0],))
     check_query(norm_weights, d, "norm_weights", leading=(queries.shape[0],))
-    keys = rms_normalize(sources, eps)  # [S, B, T, D], shared by every query of the block
-    logits = torch.einsum("qd,sbtd->qsbt", _effective_queries(queries, norm_weights, keys.dtype), keys)
-    m = logits.amax(dim=1)  # [Q, B, T]
-    p = torch.exp(logits - m.unsqueeze(1))
-    l = p.sum(dim=1)
-    acc = torch.einsum("qsbt,sbtd->qbtd", p, sources.to(p.dtype))
+    with no_autocast(sources.device.type):  # the softmax statistics stay in the sources' precision (fp32)
+        keys = rms_normalize(sources, eps)  # [S, B, T, D], shared by every query of the block
+        logits = torch.einsum("qd,sbtd->qsbt", _effective_queries(queries, norm_weights, keys.dtype), keys)
+        m = logits.amax(dim=1)  # [Q, B, T]
+        p = torch.exp(logits - m.unsqueeze(1))
+        l = p.sum(dim=1)
+        acc = torch.einsum("qsbt,sbtd->qbtd", p, sources.to(p.dtype))
     return Phase1Stats(m, l, acc, logits)
 
 
@@ -100,13 +102,14 @@ def phase2(stats: Phase1Stats, query: torch.Tensor, norm_weight: torch.Tensor | 
     if tuple(extra.shape[1:]) != tuple(acc1.shape):
         raise ValueError(f"extra must have shape [K, B, T, D] = [K, {', '.join(map(str, acc1.shape))}], "
                          f"got {list(extra.shape)}")
-    keys = rms_normalize(extra, eps).to(acc1.dtype)
-    logits2 = torch.einsum("kbtd,d->kbt", keys, _effective_queries(query, norm_weight, keys.dtype))
-    m = torch.maximum(m1, logits2.amax(dim=0))
-    scale1 = torch.exp(m1 - m)
-    p2 = torch.exp(logits2 - m)
-    l = scale1 * l1 + p2.sum(dim=0)
-    acc = scale1.unsqueeze(-1) * acc1 + torch.einsum("kbt,kbtd->btd", p2, extra.to(p2.dtype))
+    with no_autocast(extra.device.type):
+        keys = rms_normalize(extra, eps).to(acc1.dtype)
+        logits2 = torch.einsum("kbtd,d->kbt", keys, _effective_queries(query, norm_weight, keys.dtype))
+        m = torch.maximum(m1, logits2.amax(dim=0))
+        scale1 = torch.exp(m1 - m)
+        p2 = torch.exp(logits2 - m)
+        l = scale1 * l1 + p2.sum(dim=0)
+        acc = scale1.unsqueeze(-1) * acc1 + torch.einsum("kbt,kbtd->btd", p2, extra.to(p2.dtype))
     return Phase2Out(acc / l.unsqueeze(-1), m, l, logits2)
 
 

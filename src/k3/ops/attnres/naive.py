@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops.amp import no_autocast
+
 __all__ = ["attnres_logits", "attnres_mix", "check_query", "check_sources", "compute_dtype", "rms_normalize"]
 
 
@@ -64,6 +66,7 @@ def attnres_mix(sources: torch.Tensor, query: torch.Tensor, norm_weight: torch.T
     d = sources.shape[-1]
     check_query(query, d, "query")
     check_query(norm_weight, d, "norm_weight")
-    weights = attnres_logits(sources, query, norm_weight, eps).softmax(dim=0)  # [S, B, T]
-    h = torch.einsum("sbt,sbtd->btd", weights, sources.to(weights.dtype))
+    with no_autocast(sources.device.type):  # the softmax in the sources' precision, not autocast's bf16
+        weights = attnres_logits(sources, query, norm_weight, eps).softmax(dim=0)  # [S, B, T]
+        h = torch.einsum("sbt,sbtd->btd", weights, sources.to(weights.dtype))
     return h.to(sources.dtype), weights.permute(1, 2, 0)
