@@ -5,6 +5,7 @@ import torch
 import k3.model.moe as moe
 from k3.config import get_config
 from k3.model.attnres import AttnRes
+from k3.model.kda import KimiDeltaAttention
 from k3.model.moe import RoutedExperts
 from k3.model.transformer import K3Model
 from k3.ops.attnres import attnres_mix
@@ -66,9 +67,9 @@ def _mini_like(**over):
 
 
 def test_model_decode_steps_equal_the_reference_paths(monkeypatch):
-    """Prefill, then one token at a time: the fast paths (decode mix, few-token experts, the conv's dot product) give
-    the logits of the general paths (blockwise / naive AttnRes, grouped experts, F.conv1d) and the same greedy
-    tokens."""
+    """Prefill, then one token at a time: the fast paths (AttnRes decode mix, few-token experts, KDA's one-token
+    step) give the logits of the general paths (naive AttnRes, grouped experts, KDA's sequence forward) and the
+    same greedy tokens."""
     model = _mini_like()
     prompt = torch.randint(8, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
 
@@ -84,8 +85,7 @@ def test_model_decode_steps_equal_the_reference_paths(monkeypatch):
     fast = run()
     monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
     monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
-    from k3.model import kda as kda_mod
-    monkeypatch.setattr(kda_mod.KimiDeltaAttention, "_short_conv", _conv1d_only)
+    monkeypatch.setattr(KimiDeltaAttention, "_decodes", staticmethod(lambda T, cache, segments: False))
     ref = run()
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
@@ -97,14 +97,17 @@ def _reference_mix(ar, state, j):
     return h
 
 
-def _conv1d_only(self, x, cache, segments=None):
-    """KimiDeltaAttention._short_conv's general branch (F.conv1d over the cached window)."""
-    import torch.nn.functional as F
-    B, T, C = x.shape
-    x = x.transpose(1, 2)
-    prev = cache.conv_state if cache is not None else None
-    prev = x.new_zeros(B, C, self.conv_size - 1) if prev is None else prev.to(x.dtype)
-    x = torch.cat([prev, x], dim=-1)
-    if cache is not None:
-        cache.conv_state = x[..., x.shape[-1] - (self.conv_size - 1):].clone()
-    return F.silu(F.conv1d(x, self.conv_weight, groups=C)).transpose(1, 2)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_kda_step_equals_the_recurrent_op_at_one_token(dtype, tol):
+    from k3.ops.kda import fused_recurrent_kda, kda_step
+    g = torch.Generator().manual_seed(0)
+    B, H, K, V = 2, 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(B, 1, H, K, generator=g, dtype=dtype), dim=-1) for _ in "qk")
+    v = torch.randn(B, 1, H, V, generator=g, dtype=dtype)
+    gate = -torch.rand(B, 1, H, K, generator=g, dtype=dtype)
+    beta = torch.rand(B, 1, H, generator=g, dtype=dtype)
+    state = torch.randn(B, H, K, V, generator=g, dtype=dtype)
+    o_ref, s_ref = fused_recurrent_kda(q, k, v, gate, beta, initial_state=state, output_final_state=True)
+    o, s = kda_step(q[:, 0], k[:, 0], v[:, 0], gate[:, 0], beta[:, 0], state)
+    torch.testing.assert_close(o, o_ref[:, 0], rtol=tol, atol=tol)
+    torch.testing.assert_close(s, s_ref, rtol=tol, atol=tol)

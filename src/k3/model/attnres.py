@@ -60,6 +60,7 @@ class AttnResState:
     stats: Phase1Stats | None = None
     shape: tuple[int, ...] = ()
     keys: list[torch.Tensor] = field(default_factory=list)  # decode: normalised keys of completed[:len(keys)]
+    queries: torch.Tensor | None = None  # decode: every sublayer's w * g, [2 * n_layers + 1, D]
 
 
 class AttnRes(nn.Module):
@@ -192,8 +193,10 @@ class AttnRes(nn.Module):
         """Mix j at T = 1: a completed source's key is normalised once, when it is first mixed."""
         while len(state.keys) < len(state.completed):
             state.keys.append(decode_key(state.completed[len(state.keys)], self.eps))
+        if state.queries is None:  # the key-norm weight folds into the query (as in phase 1), once per forward
+            state.queries = torch.stack(list(self.pseudo_query)) * torch.stack(list(self.key_norm))
         keys = state.keys + [decode_key(c, self.eps) for c in state.current]
-        h, weights = decode_mix(keys, state.completed + state.current, self.pseudo_query[j], self.key_norm[j])
+        h, weights = decode_mix(keys, state.completed + state.current, state.queries[j])
         self._record(j, weights)
         return h
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from k3.model.cache import KDACache
 from k3.ops.amp import at_least_fp32
-from k3.ops.kda import kda
+from k3.ops.kda import kda, kda_step
 
 
 class KimiDeltaAttention(nn.Module):
@@ -77,11 +77,6 @@ class KimiDeltaAttention(nn.Module):
             y = sum(self.conv_weight[:, 0, W - 1 - j] * _shift(x, j) * segments.same[j][..., None]
                     for j in range(W))
             return F.silu(y)
-        if T == 1 and cache is not None and cache.conv_state is not None:
-            # decode: the one output is a [C, W] dot product; F.conv1d on a [B, C, W] window costs ~10x more
-            window = torch.cat([cache.conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W]
-            cache.conv_state = window[..., 1:]
-            return F.silu((window * self.conv_weight[:, 0]).sum(-1)).unsqueeze(1)
         x = x.transpose(1, 2)
         prev = cache.conv_state if cache is not None else None  # its shape: HybridCache.check
         prev = x.new_zeros(B, C, self.conv_size - 1) if prev is None else prev.to(x.dtype)
@@ -98,6 +93,8 @@ class KimiDeltaAttention(nn.Module):
         KDACache per document, left as a prefill of that document alone would leave it."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
+        if self._decodes(T, cache, segments):
+            return self._decode(x, cache)
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         qkv = self._short_conv(raw, cache, segments)
         q, k, v = qkv.view(B, T, 3, H, K).unbind(2)
@@ -123,6 +120,32 @@ class KimiDeltaAttention(nn.Module):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
         o = o.to(x.dtype) * torch.sigmoid(self.output_gate(x)).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    @staticmethod
+    def _decodes(T: int, cache: KDACache | None, segments) -> bool:
+        """Whether `forward` takes `_decode`: one token continuing a filled cache."""
+        return T == 1 and segments is None and cache is not None and cache.state is not None
+
+    def _decode(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
+        """`forward` for one token from a filled cache, in half the small kernels: the conv is a dot product with
+        the cached window (F.conv1d costs ~10x that), q and k are normalised together, and the recurrence takes
+        one step (`kda_step`)."""
+        B, _, d = x.shape
+        H, K = self.n_heads, self.head_dim
+        x1 = x.view(B, d)
+        raw = torch.cat([self.q_proj(x1), self.k_proj(x1), self.v_proj(x1)], dim=-1)  # [B, 3HK]
+        window = torch.cat([cache.conv_state.to(x.dtype), raw.unsqueeze(-1)], dim=-1)  # [B, 3HK, W]
+        cache.conv_state = window[..., 1:]
+        qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)
+        qk = qkv[:, :2]
+        q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + 1e-6)).unbind(1)
+        g = self.forget_gate(x).view(B, H, K)
+        beta = torch.sigmoid(self.beta_proj(x1))
+        o, cache.state = kda_step(q, k, qkv[:, 2], g, beta, cache.state)
+        o = at_least_fp32(o)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
+        o = o.to(x.dtype) * torch.sigmoid(self.output_gate(x1)).view(B, H, K)
+        return self.o_proj(o.view(B, 1, H * K))
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> log-decay g [B, T, H, K] (fp32 or wider), <= 0."""

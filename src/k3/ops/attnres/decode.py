@@ -24,9 +24,7 @@ def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: tor
     """keys[i] = decode_key(sources[i]); sources: S tensors [B, T, D]; query, norm_weight [D] ->
     h [B, T, D] (sources' dtype) and the weights over sources [B, T, S], as `naive.attnres_mix` returns them."""
     k = torch.stack(keys)  # [S, B, T, D]
-    S, B, T, D = k.shape
     q = query.to(k.dtype) if norm_weight is None else query.to(k.dtype) * norm_weight.to(k.dtype)
-    w = torch.mv(k.view(-1, D), q).view(S, B * T).softmax(dim=0)  # [S, B*T]
-    v = torch.stack(sources)
-    h = torch.bmm(w.t().unsqueeze(1), v.to(w.dtype).view(S, B * T, D).transpose(0, 1))  # [B*T, 1, D]
-    return h.view(B, T, D).to(v.dtype), w.t().view(B, T, S)
+    w = torch.matmul(k, q).softmax(dim=0)  # [S, B, T]
+    h = (w.unsqueeze(-1) * torch.stack(sources).to(w.dtype)).sum(0)
+    return h.to(sources[0].dtype), w.permute(1, 2, 0)

@@ -17,10 +17,10 @@ import torch
 
 from k3.ops.kda.chunk import chunk_kda
 from k3.ops.kda.naive import naive_recurrent_kda
-from k3.ops.kda.recurrent import fused_recurrent_kda
+from k3.ops.kda.recurrent import fused_recurrent_kda, recurrent_kda_step
 from k3.ops.kda.varlen import buckets, check_cu_seqlens, from_padded, pack_index, to_padded
 
-__all__ = ["kda", "chunk_kda", "naive_recurrent_kda", "fused_recurrent_kda", "choose_impl", "IMPLS"]
+__all__ = ["kda", "kda_step", "chunk_kda", "naive_recurrent_kda", "fused_recurrent_kda", "choose_impl", "IMPLS"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +144,13 @@ def kda(
     if impl not in fns:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
     return fns[impl](*args, **kwargs)
+
+
+def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] -> (o [B, H, V], new
+    state). On the CPU `recurrent_kda_step` (`kda` at T = 1 with half its small kernels); elsewhere `kda` itself."""
+    if q.device.type == "cpu":
+        return recurrent_kda_step(q, k, v, g, beta, state)
+    o, state = kda(*(x.unsqueeze(1) for x in (q, k, v, g, beta)), initial_state=state, output_final_state=True)
+    return o.squeeze(1), state

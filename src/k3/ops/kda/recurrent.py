@@ -47,3 +47,23 @@ def fused_recurrent_kda(
         outputs.append(torch.addcmul(q_S, qk[:, t], u))
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V)
     return o.to(out_dtype), (S if output_final_state else None)
+
+
+@without_autocast
+def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of `fused_recurrent_kda` without the T axis (a decode step): q, k, g: [B, H, K]; v: [B, H, V];
+    beta: [B, H]; state: [B, H, K, V]. Returns o [B, H, V] (dtype of v) and the new state (fp32, or fp64)."""
+    K, out_dtype = q.shape[-1], v.dtype
+    scale = K ** -0.5 if scale is None else scale
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q = q * scale
+    S = g.exp().unsqueeze(-1) * state.to(dtype)                               # S' = Diag(alpha) S
+    k_S = (k.unsqueeze(-2) @ S).squeeze(-2)                                   # [B, H, V]
+    q_S = (q.unsqueeze(-2) @ S).squeeze(-2)
+    u = beta.unsqueeze(-1) * (v - k_S)
+    S = torch.addcmul(S, k.unsqueeze(-1), u.unsqueeze(-2))
+    o = torch.addcmul(q_S, (q * k).sum(-1, keepdim=True), u)
+    return o.to(out_dtype), S
+
