@@ -144,17 +144,18 @@ class GatedMLA(nn.Module):
             c_kv = fake_quant(c_kv, self.wkv_b.act_format)
         w = w.view(H, K + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :K], w[:, K:]
-        q_latent = torch.einsum("bthk,hkc->bthc", q, w_uk)
-        scores = torch.einsum("bthc,bsc->bhts", q_latent, c_kv)
+        # matmuls, not einsum: at decode torch.einsum's own planning cost about as much as these small products
+        q_latent = q.transpose(1, 2) @ w_uk  # [B, H, T, C]
+        scores = q_latent @ c_kv.transpose(1, 2).unsqueeze(1)  # [B, H, T, S]
         if R:
-            scores = scores + torch.einsum("bthr,bsr->bhts", q_s, k_s)
+            scores = scores + q_s.transpose(1, 2) @ k_s.transpose(1, 2).unsqueeze(1)
         scores = scores * self.softmax_scale
         if self.track_max_logits:
             self._track(scores, T, S, P, key_mask)
         scores = scores.masked_fill(~_visible(T, S, P, key_mask, q.device), float("-inf"))
         p = torch.softmax(at_least_fp32(scores), dim=-1).to(c_kv.dtype)
-        o_latent = torch.einsum("bhts,bsc->bthc", p, c_kv)
-        return torch.einsum("bthc,hvc->bthv", o_latent, w_uv)
+        o_latent = p @ c_kv.unsqueeze(1)  # [B, H, T, C]
+        return (o_latent @ w_uv.transpose(1, 2)).transpose(1, 2)  # [B, T, H, V]
 
     def _track(self, scores: torch.Tensor, T: int, S: int, P: int, key_mask: torch.Tensor | None = None) -> None:
         """scores [B, H, T, S] pre-softmax scaled logits; keeps the max over visible entries per head."""
