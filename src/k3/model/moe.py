@@ -492,6 +492,8 @@ class RoutedExperts(nn.Module):
         up = torch.cat([r @ w3[e] for r, (e, _, _) in zip(rows, runs)])
         h = self.quant_act(self.glu(gate, up))
         out_sorted = torch.cat([h[a:b] @ w2[e] for e, a, b in runs])
+        if N == 1:  # the token's k outputs, weighted, in expert order
+            return weights[:, order_t] @ out_sorted
         out = torch.empty_like(out_sorted).index_copy_(0, order_t, out_sorted).view(N, k, self.dim)
         return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
 
