@@ -133,13 +133,13 @@ class AttnRes(nn.Module):
         if self.mode == "none":
             return state.current[0]
         self._enter(state, j)
+        if state.shape[1] == 1 and self.impl != "naive":  # decode: one token per row (k3.ops.attnres.decode)
+            return self._decode_mix(state, j)
         q, g = self.pseudo_query[j], self.key_norm[j]
         if self.impl == "naive":
             h, weights = attnres_mix(torch.stack(state.completed + state.current), q, g, self.eps)
             self._record(j, weights)
             return h
-        if state.shape[1] == 1:  # decode: one token per row, a few kernels (k3.ops.attnres.decode)
-            return self._decode_mix(state, j)
         if state.stats is None:  # first mix of the block: phase 1 for all of its queries at once
             j0, j1 = state.block_start, min(state.block_start + self.block_sublayers, self.n_sublayers)
             queries = torch.stack([self.pseudo_query[k] for k in range(j0, j1)])
