@@ -360,6 +360,18 @@ HEADLINES = {
         ("cache_ratio_vs_all_mla_256k", "cache bytes at 256k context, hybrid / all-MLA", "<= 0.3"),
         ("hybrid_tokens_per_s_256k", "hybrid decode tokens/s at 256k context (batch 1)", ""),
         ("all_mla_tokens_per_s_256k", "all-MLA decode tokens/s at 256k context (batch 1)", ""),
+        ("engine_over_dense_decode_b1", "k3 engine decode tokens/s / an equal-active HF Llama's, mini, batch 1",
+         ">= 0.8"),
+        ("engine_over_dense_decode_b8", "same, batch 8", ""),
+    ],
+    "decode_peer": [
+        ("engine_over_dense_decode_b1", "k3 engine decode tokens/s / an equal-active HF Llama's, mini, batch 1",
+         ">= 0.8"),
+        ("engine_over_dense_decode_b8", "same, batch 8", ""),
+        ("batches.1.k3_engine_tokens_per_s", "k3 engine decode tokens/s, mini, batch 1, 1 thread", ""),
+        ("batches.1.llama_tokens_per_s", "HF Llama (16.46M, d 256 x 8) decode tokens/s, batch 1, 1 thread", ""),
+        ("batches.8.k3_engine_tokens_per_s", "k3 engine decode tokens/s, mini, batch 8", ""),
+        ("batches.8.llama_tokens_per_s", "HF Llama decode tokens/s, batch 8", ""),
     ],
     "long_context": [
         ("tokens", "tokens prefilled (chunked) through the long preset on CPU", ">= 1048576"),
