@@ -111,3 +111,26 @@ def test_kda_step_equals_the_recurrent_op_at_one_token(dtype, tol):
     o, s = kda_step(q[:, 0], k[:, 0], v[:, 0], gate[:, 0], beta[:, 0], state)
     torch.testing.assert_close(o, o_ref[:, 0], rtol=tol, atol=tol)
     torch.testing.assert_close(s, s_ref, rtol=tol, atol=tol)
+
+
+def test_model_decode_steps_under_cpu_bf16_autocast_stay_near_the_reference(monkeypatch):
+    """The fast paths under CPU bf16 autocast (the serving precision a host may pick): logits within bf16 rounding of
+    the general paths' (the KDA step keeps the conv and the recurrence in fp32, where the sequence path rounds the
+    conv's output to bf16)."""
+    model = _mini_like()
+    prompt = torch.randint(8, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        cache, ids, logits = model.new_cache(), prompt, []
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for i in range(4):  # fixed next tokens: a near-tie in bf16 must not send the two runs apart
+                logits.append(model(ids, cache)[:, -1].float())
+                ids = prompt[:, i:i + 1]
+        return torch.stack(logits)
+
+    fast = run()
+    monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
+    monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
+    monkeypatch.setattr(KimiDeltaAttention, "_decodes", staticmethod(lambda T, cache, segments: False))
+    ref = run()
+    assert (fast - ref).abs().max() <= 0.05 * ref.abs().max()

@@ -134,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         x1 = x.view(B, d)
         raw = torch.cat([self.q_proj(x1), self.k_proj(x1), self.v_proj(x1)], dim=-1)  # [B, 3HK]
-        window = torch.cat([cache.conv_state.to(x.dtype), raw.unsqueeze(-1)], dim=-1)  # [B, 3HK, W]
+        window = torch.cat([cache.conv_state.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)  # [B, 3HK, W]
         cache.conv_state = window[..., 1:]
         qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)
         qk = qkv[:, :2]
