@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.amp import no_autocast
 from k3.ops.attnres.naive import compute_dtype
 
 __all__ = ["decode_key", "decode_mix"]
@@ -16,7 +17,8 @@ __all__ = ["decode_key", "decode_mix"]
 
 def decode_key(source: torch.Tensor, eps: float) -> torch.Tensor:
     """source [B, T, D] -> its key RMSNorm(source) without weight, [B, T, D] in the compute dtype (fp32 / fp64)."""
-    return F.rms_norm(source.to(compute_dtype(source)), (source.shape[-1],), eps=eps)
+    with no_autocast(source.device.type):
+        return F.rms_norm(source.to(compute_dtype(source)), (source.shape[-1],), eps=eps)
 
 
 def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: torch.Tensor,
@@ -24,7 +26,8 @@ def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: tor
     """keys[i] = decode_key(sources[i]); sources: S tensors [B, T, D]; query, norm_weight [D] ->
     h [B, T, D] (sources' dtype) and the weights over sources [B, T, S], as `naive.attnres_mix` returns them."""
     k = torch.stack(keys)  # [S, B, T, D]
-    q = query.to(k.dtype) if norm_weight is None else query.to(k.dtype) * norm_weight.to(k.dtype)
-    w = torch.matmul(k, q).softmax(dim=0)  # [S, B, T]
-    h = (w.unsqueeze(-1) * torch.stack(sources).to(w.dtype)).sum(0)
+    with no_autocast(k.device.type):  # the softmax in the keys' precision, as naive.attnres_mix keeps it
+        q = query.to(k.dtype) if norm_weight is None else query.to(k.dtype) * norm_weight.to(k.dtype)
+        w = torch.matmul(k, q).softmax(dim=0)  # [S, B, T]
+        h = (w.unsqueeze(-1) * torch.stack(sources).to(w.dtype)).sum(0)
     return h.to(sources[0].dtype), w.permute(1, 2, 0)
