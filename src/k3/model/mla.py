@@ -29,6 +29,10 @@ from k3.ops.amp import at_least_fp32
 from k3.ops.mx.fake import fake_quant
 
 
+
+def _as(h: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    return h.to(norm.weight.dtype)
+
 class GatedMLA(nn.Module):
     """x [B, T, d_model] -> y [B, T, d_model]; `cache` is this layer's MLACache slot (latent only).
 
@@ -80,10 +84,12 @@ class GatedMLA(nn.Module):
         """`segments` (k3.model.segments, no cache): each token attends only within its own document;
         `doc_slots`: one fresh MLACache per document, filled with that document's latents (packed prefill)."""
         B, T, _ = x.shape
-        q_in = self.q_norm(self.wq_a(x)) if self.q_lora_rank > 0 else x
+        # under autocast the projections come out bf16: the norms take them in their weights' dtype, which keeps
+        # the fused rms_norm and the fp32 latent the cache stores (a bf16 input with fp32 weights is neither)
+        q_in = self.q_norm(_as(self.wq_a(x), self.q_norm)) if self.q_lora_rank > 0 else x
         q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim + self.rope_dim)
         c_kv, k_s = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        c_kv = torch.cat([self.kv_norm(c_kv), k_s], dim=-1)  # [B, T, C + R]: what the cache holds
+        c_kv = torch.cat([self.kv_norm(_as(c_kv, self.kv_norm)), k_s], dim=-1)  # [B, T, C + R]: what the cache holds
         P, key_mask = 0, None
         if cache is not None:
             if cache.latent is not None and cache.latent.dtype != c_kv.dtype:  # HybridCache.check sees shapes only
