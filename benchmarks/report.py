@@ -422,6 +422,16 @@ HEADLINES = {
     "train": [
         ("tokens_per_s", "mini training tokens/s (fp32 CPU)", ""),
         ("mfu", "mini training MFU vs measured fp32 matmul peak", ">= 0.20"),
+        ("bf16_over_fp32_step", "mini step, bf16 autocast / fp32 speed (1 thread, batch 8 x 128, interleaved pairs)",
+         ">= 1.4"),
+        ("bf16_matmul_over_fp32", "2048^2 matmul, bf16 / fp32 rate (same run, 1 thread)", ""),
+    ],
+    "train_precision_val": [
+        ("precision_val.summary.fp32.mean", "mini validation loss after 200 steps, fp32 (nats/token, mean of seeds "
+                                            "0-2)", ""),
+        ("precision_val.summary.bf16.mean", "the same, bf16 autocast", ""),
+        ("precision_val.summary.bf16_minus_fp32_mean", "bf16 - fp32 (mean over seeds)", ""),
+        ("precision_val.summary.within_seed_spread", "difference within the larger seed std", "True"),
     ],
     "peers": [
         ("best.k3.val_bpb", "k3 mini, validation bits/byte after the per-run budget at its best lr of the sweep (the "
