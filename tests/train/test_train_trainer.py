@@ -471,3 +471,27 @@ def test_doc_mask_trains_each_packed_document_on_its_own(tmp_path):
     assert abs(per_doc - whole) > 1e-3  # the boundaries matter on this data
     assert masked.train_step()["loss"] == pytest.approx(per_doc, rel=1e-5)
     assert packed.train_step()["loss"] == pytest.approx(whole, rel=1e-5)
+
+
+def test_auto_threads_count_the_cores_busy_now(monkeypatch):
+    """The demo's threads come from the cores busy now (/proc/stat), not the lagging load average."""
+    import os
+
+    import torch
+
+    import k3.train.cli as cli
+
+    before = torch.get_num_threads()
+    try:
+        busy = cli.busy_cores(0.05)
+        assert busy is None or 0 <= busy <= (os.cpu_count() or 1) + 1e-6
+        monkeypatch.setattr(cli, "busy_cores", lambda sample_s=0.5: float(os.cpu_count() or 1))
+        n, why = cli.choose_threads(None, auto=True)
+        assert n == 1 and "busy now" in why and "leaves 1 free" in why
+        monkeypatch.setattr(cli, "busy_cores", lambda sample_s=0.5: 0.0)
+        torch.set_num_threads(os.cpu_count() or 1)
+        n, why = cli.choose_threads(None, auto=True)
+        assert n == (os.cpu_count() or 1) and "0.0 busy now" in why
+        assert cli.choose_threads(1)[1] == "--threads 1 given"
+    finally:
+        torch.set_num_threads(before)

@@ -101,7 +101,7 @@ def _bytes_per_token(ds) -> float | None:
 
 
 def set_threads(n: int | None, auto: bool = False) -> int:
-    """Intra-op CPU threads: `n` if given; with `auto`, the cores the load average leaves free (at least 1).
+    """Intra-op CPU threads: `n` if given; with `auto`, the cores left free by those busy now (at least 1).
     Returns the thread count (`choose_threads` also says why)."""
     return choose_threads(n, auto)[0]
 
@@ -121,13 +121,44 @@ def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
     if n:
         torch.set_num_threads(n)
         return torch.get_num_threads(), f"--threads {n} given"
-    if auto and hasattr(os, "getloadavg"):
-        cores, load = os.cpu_count() or 1, os.getloadavg()[0]
-        free = max(1, min(torch.get_num_threads(), int(cores - load + 0.5)))
+    if auto:
+        cores = os.cpu_count() or 1
+        busy = busy_cores()
+        if busy is not None:
+            what = f"{busy:.1f} busy now (0.5 s sample)"
+        elif hasattr(os, "getloadavg"):
+            busy = os.getloadavg()[0]
+            what = f"load average {busy:.1f}"
+        else:
+            return torch.get_num_threads(), "torch's default for this machine"
+        free = max(1, min(torch.get_num_threads(), int(cores - busy + 0.5)))
         torch.set_num_threads(free)
-        return torch.get_num_threads(), (f"{cores} cores, load average {load:.1f} leaves {free} free (--threads N "
-                                         "to choose)")
+        return torch.get_num_threads(), f"{cores} cores, {what} leaves {free} free (--threads N to choose)"
     return torch.get_num_threads(), "torch's default for this machine"
+
+
+def busy_cores(sample_s: float = 0.5) -> float | None:
+    """Cores other processes keep busy now, from /proc/stat's idle time over `sample_s` (None off Linux). Not the
+    1-minute load average: it lags, so a job that just ended (a test run before the demo) still counts in it, and
+    the demo would train on one core of two idle ones."""
+    import time
+
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, all
+
+    try:
+        idle0, all0 = read()
+        time.sleep(sample_s)
+        idle1, all1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    if all1 <= all0:
+        return None
+    import os
+
+    return (1 - (idle1 - idle0) / (all1 - all0)) * (os.cpu_count() or 1)
 
 
 def _with_qat(config, args):
