@@ -26,6 +26,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _shown(path) -> str:
+    """A path as results record it: relative to the repository when inside it (no machine paths in the JSON)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 sys.path.insert(0, str(ROOT / "src"))
 
 from k3.benchtools import bench_out, machine, write_result  # noqa: E402
@@ -163,7 +169,7 @@ def main(argv=None) -> dict:
     out = Path(args.out or bench_out("demo_sweep", q))
     runs_dir = out.with_suffix("")
     settings = {"minutes": args.minutes, "seq_len": args.seq_len, "eval_batches": args.eval_batches,
-                "threads": args.threads, "data": str(Path(args.data).resolve()), "demo_args": args.demo_args}
+                "threads": args.threads, "data": _shown(args.data), "demo_args": args.demo_args}
     points: dict[str, dict] = {}
     if args.resume and out.is_file():
         old = json.loads(out.read_text())
@@ -197,7 +203,7 @@ def main(argv=None) -> dict:
               file=sys.stderr, flush=True)
     png = plot(points, out.with_suffix(".png"), f"k3 demo, {args.minutes:g} min per point")
     if png is not None:
-        result["plot"] = str(png)
+        result["plot"] = _shown(png)
         write_result(out, result)
     if args.json:
         print(json.dumps(result))
