@@ -83,12 +83,17 @@ def test_model_decode_steps_equal_the_reference_paths(monkeypatch):
         return torch.stack(logits)
 
     fast = run()
-    monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
-    monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
-    monkeypatch.setattr(KimiDeltaAttention, "_decodes", staticmethod(lambda T, cache, segments: False))
+    _general_paths(monkeypatch)
     ref = run()
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+
+
+def _general_paths(monkeypatch):
+    """Decode through the general paths: the grouped experts, the naive AttnRes mix, KDA's sequence form."""
+    monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
+    monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
+    monkeypatch.setattr(KimiDeltaAttention, "_decodes", staticmethod(lambda T, cache, segments: False))
 
 
 def _reference_mix(ar, state, j):
@@ -129,8 +134,6 @@ def test_model_decode_steps_under_cpu_bf16_autocast_stay_near_the_reference(monk
         return torch.stack(logits)
 
     fast = run()
-    monkeypatch.setattr(moe, "DECODE_MAX_SLOTS", 0)
-    monkeypatch.setattr(AttnRes, "_decode_mix", lambda self, state, j: _reference_mix(self, state, j))
-    monkeypatch.setattr(KimiDeltaAttention, "_decodes", staticmethod(lambda T, cache, segments: False))
+    _general_paths(monkeypatch)
     ref = run()
     assert (fast - ref).abs().max() <= 0.05 * ref.abs().max()
