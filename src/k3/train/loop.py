@@ -24,6 +24,7 @@ import torch
 
 from k3.train import checkpoint as ckpt
 from k3.train.config import DATA_FIELDS, DIVERGED_RESTART, RESUME_FIELDS, TrainConfig, check_schedule_fields
+from k3.train.device import tune_cpu_allocator
 from k3.train.metrics import MetricsWriter
 from k3.train.optim import build_optimizer
 from k3.train.signals import GracefulInterrupt
@@ -178,6 +179,8 @@ class Loop:
         self.tc = tc.validate()
         self._step_fn, self._evaluate = step_fn, evaluate
         self.ctx = ctx if ctx is not None else LocalContext(next(model.parameters()).device)
+        if self.ctx.device.type == "cpu":
+            tune_cpu_allocator()  # freed activations stay in the heap: no page faults per new buffer
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.overwrite = overwrite
         self.manifest_extra = dict(manifest_extra or {})

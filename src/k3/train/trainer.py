@@ -21,7 +21,7 @@ from k3.config import K3Config
 from k3.train import checkpoint as ckpt
 from k3.train.batches import _n_tokens, check_dataset, evaluate, has_documents, split_batch
 from k3.train.config import TrainConfig
-from k3.train.device import autocast, resolve_device
+from k3.train.device import autocast, resolve_device, tune_cpu_allocator
 from k3.train.loop import LocalContext, Loop, TrainResult
 from k3.train.metrics import attnres_stats, bits_per_byte, expert_load_stats, flops_per_token, measured_peak_flops
 from k3.train.optim import QKClip
@@ -52,6 +52,8 @@ class Trainer(Loop):
         if val_data is not None:
             check_dataset(val_data, "validation", config, tc.batch_size, tc.seq_len, tc.seed)
         ctx = ctx if ctx is not None else LocalContext(resolve_device(tc.device))
+        if ctx.device.type == "cpu":
+            tune_cpu_allocator()  # before the precision probe, which times steps as the loop will run them
         # "auto" is settled here, once, so the loop, its records and its checkpoints name what ran
         precision, self.precision_reason = _resolve_precision(tc.precision, ctx)
         tc.precision = precision  # in place, as the loop sets tc.steps: callers keep adjusting the same config
