@@ -37,6 +37,22 @@ def test_few_token_experts_equal_the_grouped_and_naive_paths(N, monkeypatch):
     torch.testing.assert_close(fast, grouped, rtol=1e-5, atol=1e-6)
 
 
+def test_decode_pack_matches_the_unpacked_path_and_follows_weight_updates(monkeypatch):
+    ex = _experts()
+    x, experts, weights = torch.randn(2, 32), torch.tensor([[1, 5, 7, 2], [5, 0, 3, 9]]), torch.rand(2, 4)
+    with torch.no_grad():
+        packed = ex(x, weights, experts)
+        assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is not None
+        monkeypatch.setattr(moe.packing, "PACK_MAX_BYTES", 0)  # too big to copy: the two narrow products
+        assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is None
+        torch.testing.assert_close(ex(x, weights, experts), packed, rtol=1e-6, atol=1e-7)
+        monkeypatch.undo()
+        ex.w3.mul_(-2.0)  # an in-place update (an optimizer step): the pack is rebuilt, not stale
+        ref = ex._naive(x, weights, experts, *ex.expert_weights())
+        torch.testing.assert_close(ex(x, weights, experts), ref, rtol=1e-5, atol=1e-6)
+        assert ex._decode_pack(ex.w3, ex.w1, ex.w2) is None  # not the stored weights (QAT's, a subclass's)
+
+
 def test_few_token_experts_stay_off_when_gradients_are_needed():
     ex = _experts()
     x = torch.randn(2, 32)

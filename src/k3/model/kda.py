@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.model.cache import KDACache
+from k3.model.packing import packed_linear
 from k3.ops.amp import at_least_fp32
 from k3.ops.kda import kda, kda_step
 
@@ -127,31 +128,39 @@ class KimiDeltaAttention(nn.Module):
         return T == 1 and segments is None and cache is not None and cache.state is not None
 
     def _decode(self, x: torch.Tensor, cache: KDACache) -> torch.Tensor:
-        """`forward` for one token from a filled cache, in half the small kernels: the conv is a dot product with
-        the cached window (F.conv1d costs ~10x that), q and k are normalised together, and the recurrence takes
-        one step (`kda_step`)."""
+        """`forward` for one token from a filled cache, in half the small kernels: the six projections that read x
+        run as one product where k3.model.packing allows, the conv is a dot product with the cached window
+        (F.conv1d costs ~10x that), q and k are normalised together, and the recurrence takes one step
+        (`kda_step`)."""
         B, _, d = x.shape
         H, K = self.n_heads, self.head_dim
         x1 = x.view(B, d)
-        raw = torch.cat([self.q_proj(x1), self.k_proj(x1), self.v_proj(x1)], dim=-1)  # [B, 3HK]
+        gate_in = self.g_proj if hasattr(self, "g_proj") else self.gate_down
+        q, k, v, a, b, o_in = packed_linear(
+            self, "decode_in", (self.q_proj, self.k_proj, self.v_proj, self.alpha_down, self.beta_proj, gate_in), x1)
+        raw = torch.cat([q, k, v], dim=-1)  # [B, 3HK]
         window = torch.cat([cache.conv_state.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)  # [B, 3HK, W]
         cache.conv_state = window[..., 1:]
         qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)
         qk = qkv[:, :2]
         q, k = (qk * torch.rsqrt(qk.pow(2).sum(-1, keepdim=True) + 1e-6)).unbind(1)
-        g = self.forget_gate(x).view(B, H, K)
-        beta = torch.sigmoid(self.beta_proj(x1))
+        g = self._decay(self.alpha_up(a)).view(B, H, K)
+        beta = torch.sigmoid(b)
         o, cache.state = kda_step(q, k, qkv[:, 2], g, beta, cache.state)
         o = at_least_fp32(o)
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
-        o = o.to(x.dtype) * torch.sigmoid(self.output_gate(x1)).view(B, H, K)
+        gate = o_in if hasattr(self, "g_proj") else self.gate_up(o_in)
+        o = o.to(x.dtype) * torch.sigmoid(gate).view(B, H, K)
         return self.o_proj(o.view(B, 1, H * K))
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> log-decay g [B, T, H, K] (fp32 or wider), <= 0."""
-        B, T, _ = x.shape
+        return self._decay(self.alpha_up(self.alpha_down(x)))
+
+    def _decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The gate's up-projection f [..., H*K] -> log-decay g [..., H, K]."""
         H, K = self.n_heads, self.head_dim
-        f = at_least_fp32(self.alpha_up(self.alpha_down(x)).view(B, T, H, K) + self.dt_bias.view(H, K))
+        f = at_least_fp32(f.view(*f.shape[:-1], H, K) + self.dt_bias.view(H, K))
         rate = at_least_fp32(self.A_log).exp().view(H, 1)
         if self.lower_bound is None:
             return -rate * F.softplus(f)

@@ -25,6 +25,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLACache
+from k3.model.packing import packed_linear
 from k3.ops.amp import at_least_fp32
 from k3.ops.mx.fake import fake_quant
 
@@ -86,9 +87,14 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         # under autocast the projections come out bf16: the norms take them in their weights' dtype, which keeps
         # the fused rms_norm and the fp32 latent the cache stores (a bf16 input with fp32 weights is neither)
-        q_in = self.q_norm(_as(self.wq_a(x), self.q_norm)) if self.q_lora_rank > 0 else x
-        q = self.q_proj(q_in).view(B, T, self.n_heads, self.qk_head_dim + self.rope_dim)
-        c_kv, k_s = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        reads_x = [self.wq_a if self.q_lora_rank > 0 else self.wq, self.wkv_a]
+        reads_x += [self.w_gate] if self.w_gate is not None else []
+        # a decode step runs the projections of x as one product (k3.model.packing); elsewhere each runs alone
+        projected = packed_linear(self, "decode_in", reads_x, x) if cache is not None and T == 1 else None
+        q_x, kv_x = projected[:2] if projected else (reads_x[0](x), self.wkv_a(x))
+        q_in = self.q_norm(_as(q_x, self.q_norm)) if self.q_lora_rank > 0 else None
+        q = (self.q_proj(q_in) if q_in is not None else q_x).view(B, T, self.n_heads, self.qk_head_dim + self.rope_dim)
+        c_kv, k_s = kv_x.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = torch.cat([self.kv_norm(_as(c_kv, self.kv_norm)), k_s], dim=-1)  # [B, T, C + R]: what the cache holds
         P, key_mask = 0, None
         if cache is not None:
@@ -117,7 +123,7 @@ class GatedMLA(nn.Module):
             o = (self._absorbed if absorb else self._naive)(q, c_kv, P, key_mask)  # [B, T, H, V]
         o = o.reshape(B, T, -1)
         if self.w_gate is not None:
-            o = o * torch.sigmoid(self.w_gate(x))
+            o = o * torch.sigmoid(projected[2] if projected else self.w_gate(x))
         return self.wo(o)
 
     def _naive(self, q: torch.Tensor, c_kv: torch.Tensor, P: int, key_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 __all__ = ["ACTS", "silu_glu", "situ_glu", "situ_glu_ref", "glu_for"]
 
 ACTS = ("situ", "silu")
+SMALL = 1 << 14  # values up to which a gradient-free situ_glu runs the composed form (fewer, tiny kernels)
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     as one autograd node in about a third of the reference's time on a CPU."""
     if gate.shape != up.shape or gate.dtype != up.dtype:  # broadcasting or mixed: the composed form handles them
         return situ_glu_ref(gate, up, beta, linear_beta)
+    if gate.numel() <= SMALL and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+        return situ_glu_ref(gate, up, beta, linear_beta)  # a decode step's few rows: fewer calls is what counts
     return _SiTUGLU.apply(gate, up, float(beta), float(linear_beta))
 
 
