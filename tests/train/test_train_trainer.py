@@ -480,15 +480,16 @@ def test_auto_threads_count_the_cores_busy_now(monkeypatch):
     import torch
 
     import k3.train.cli as cli
+    import k3.train.device as device
 
     before = torch.get_num_threads()
     try:
-        busy = cli.busy_cores(0.05)
+        busy = device.busy_cores(0.05)
         assert busy is None or 0 <= busy <= (os.cpu_count() or 1) + 1e-6
-        monkeypatch.setattr(cli, "busy_cores", lambda sample_s=0.5: float(os.cpu_count() or 1))
+        monkeypatch.setattr(device, "busy_cores", lambda sample_s=0.5: float(os.cpu_count() or 1))
         n, why = cli.choose_threads(None, auto=True)
         assert n == 1 and "busy now" in why and "leaves 1 free" in why
-        monkeypatch.setattr(cli, "busy_cores", lambda sample_s=0.5: 0.0)
+        monkeypatch.setattr(device, "busy_cores", lambda sample_s=0.5: 0.0)
         torch.set_num_threads(os.cpu_count() or 1)
         n, why = cli.choose_threads(None, auto=True)
         assert n == (os.cpu_count() or 1) and "0.0 busy now" in why

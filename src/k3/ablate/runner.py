@@ -333,11 +333,15 @@ def _execute_in_worker(spec_dict: dict, out: str, data_dir: str | None, save_wei
 
 
 def auto_jobs() -> int:
-    """The CPU cores the load average leaves free, at least 1, at most the core count."""
+    """The CPU cores other work leaves free now (k3.train.device.busy_cores; the load average where /proc/stat is
+    missing), at least 1, at most the core count."""
+    from k3.train.device import busy_cores
+
     n = os.cpu_count() or 1
-    if hasattr(os, "getloadavg"):
-        return max(1, min(n, int(n - os.getloadavg()[0] + 0.5)))
-    return n
+    busy = busy_cores()
+    if busy is None and hasattr(os, "getloadavg"):
+        busy = os.getloadavg()[0]
+    return n if busy is None else max(1, min(n, int(n - busy + 0.5)))
 
 
 def run_plan(plan: Plan, out: str | os.PathLike, data_dir: str | None, jobs: int = 1, progress: bool = True,

@@ -88,7 +88,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from k3.io import load_with_manifest
     from k3.io.trained import checkpoint_tokenizer
     from k3.train.device import resolve_device
-    from k3.train.precision import inference_autocast
+    from k3.train.device import autocast
 
     check_sampling(args.temperature, args.top_p, args.max_new_tokens)
     if args.num_samples < 1:
@@ -98,7 +98,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     tokenizer = checkpoint_tokenizer(manifest, model.config.vocab_size, args.tokenizer)
     precision = resolve_precision_flag(args, device)
     for i in range(args.num_samples):
-        with inference_autocast(device, precision):
+        with autocast(device, precision, training=False):
             text = generate_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                                  args.seed + i, skip_special=not args.keep_special)
         if args.num_samples > 1:

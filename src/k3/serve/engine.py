@@ -31,7 +31,7 @@ from k3.data.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS
 from k3.model.cache import HybridCache
 from k3.model.sampling import SamplingParams, apply_penalties, sample_row
 from k3.serve.prefix_cache import PrefixCache
-from k3.train.precision import inference_autocast
+from k3.train.device import autocast
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit, prefill one chunk round, decode one token for every running request. Returns finished ones."""
-        with inference_autocast(self.device, self.precision):
+        with autocast(self.device, self.precision, training=False):
             return self._step()
 
     def _step(self) -> list[Request]:

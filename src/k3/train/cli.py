@@ -116,6 +116,8 @@ def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
 
     import torch
 
+    from k3.train import device
+
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise ValueError(f"--threads {n}: give a positive number of CPU threads (0 or none: the default)")
     if n:
@@ -123,7 +125,7 @@ def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
         return torch.get_num_threads(), f"--threads {n} given"
     if auto:
         cores = os.cpu_count() or 1
-        busy = busy_cores()
+        busy = device.busy_cores()
         if busy is not None:
             what = f"{busy:.1f} busy now (0.5 s sample)"
         elif hasattr(os, "getloadavg"):
@@ -135,30 +137,6 @@ def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
         torch.set_num_threads(free)
         return torch.get_num_threads(), f"{cores} cores, {what} leaves {free} free (--threads N to choose)"
     return torch.get_num_threads(), "torch's default for this machine"
-
-
-def busy_cores(sample_s: float = 0.5) -> float | None:
-    """Cores other processes keep busy now, from /proc/stat's idle time over `sample_s` (None off Linux). Not the
-    1-minute load average: it lags, so a job that just ended (a test run before the demo) still counts in it, and
-    the demo would train on one core of two idle ones."""
-    import time
-
-    def read():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, all
-
-    try:
-        idle0, all0 = read()
-        time.sleep(sample_s)
-        idle1, all1 = read()
-    except (OSError, ValueError, IndexError):
-        return None
-    if all1 <= all0:
-        return None
-    import os
-
-    return (1 - (idle1 - idle0) / (all1 - all0)) * (os.cpu_count() or 1)
 
 
 def _with_qat(config, args):

@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import time
 
 import torch
 
@@ -27,15 +28,17 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def autocast(device: torch.device, precision: str = "fp32"):
-    """The autocast a forward runs under: bf16 on CUDA always (as before), on a CPU only with precision "bf16"
-    ("auto" must be resolved first: k3.train.precision)."""
-    if device.type == "cuda":
+def autocast(device: torch.device | str, precision: str = "fp32", *, training: bool = True):
+    """The autocast a forward runs under. Training: bf16 on CUDA always (as before), on a CPU only with precision
+    "bf16". Inference (`training=False`: k3 sample, k3 serve): bf16 where `precision` is bf16, on any device;
+    otherwise none, so fp32 weights run in fp32. "auto" must be resolved first (k3.train.precision)."""
+    device = torch.device(device)
+    if device.type == "cuda" and training:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     if precision != "fp32":
-        raise ValueError(f"precision {precision!r}: resolve 'auto' before training (k3.train.precision)")
+        raise ValueError(f"precision {precision!r}: resolve 'auto' before running (k3.train.precision)")
     return contextlib.nullcontext()
 
 
@@ -72,3 +75,23 @@ def tune_cpu_allocator() -> bool:
     except OSError:  # not glibc (musl, macOS): its allocator, as it is
         pass
     return _cpu_alloc_tuned
+
+
+def busy_cores(sample_s: float = 0.5) -> float | None:
+    """Cores other processes keep busy now, from /proc/stat's idle time over `sample_s` (None off Linux). Not the
+    1-minute load average: it lags, so a job that just ended (a test run before the demo) still counts in it, and
+    the demo would train on one core of two idle ones."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + (v[4] if len(v) > 4 else 0), sum(v)  # idle + iowait, all
+
+    try:
+        idle0, all0 = read()
+        time.sleep(sample_s)
+        idle1, all1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    if all1 <= all0:
+        return None
+    return (1 - (idle1 - idle0) / (all1 - all0)) * (os.cpu_count() or 1)

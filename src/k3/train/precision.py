@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 __all__ = ["PRECISIONS", "MARGIN", "resolve_precision", "probe", "host_key", "cache_path", "read_cache",
-           "store_probe", "inference_autocast"]
+           "store_probe"]
 
 log = logging.getLogger(__name__)
 
@@ -266,13 +266,3 @@ def decide(rec: dict, margin: float = MARGIN, cached: bool = False) -> tuple[str
     return "fp32", (f"bf16 measured no faster on this host: a mini-shaped training step ran at {step:.2f}x fp32's "
                     f"speed (a matmul {mm:.2f}x), below the {margin:g}x that bf16 needs ({when})")
 
-
-def inference_autocast(device: torch.device | str, precision: str):
-    """The autocast of an inference run (k3 sample, k3 serve): bf16 where `precision` (resolved) is bf16, on any
-    device; otherwise none, so fp32 weights run in fp32."""
-    device = torch.device(device)
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision != "fp32":
-        raise ValueError(f"precision {precision!r}: resolve 'auto' first (k3.train.precision.resolve_precision)")
-    return contextlib.nullcontext()
