@@ -6,7 +6,8 @@ import k3.model.moe as moe
 from k3.config import get_config
 from k3.model.attnres import AttnRes
 from k3.model.kda import KimiDeltaAttention
-from k3.model.moe import RoutedExperts
+from k3.model import packing
+from k3.model.moe import GatedMLP, RoutedExperts
 from k3.model.transformer import K3Model
 from k3.ops.attnres import attnres_mix
 from k3.ops.attnres.decode import decode_key, decode_mix
@@ -41,16 +42,62 @@ def test_decode_pack_matches_the_unpacked_path_and_follows_weight_updates(monkey
     ex = _experts()
     x, experts, weights = torch.randn(2, 32), torch.tensor([[1, 5, 7, 2], [5, 0, 3, 9]]), torch.rand(2, 4)
     with torch.no_grad():
-        packed = ex(x, weights, experts)
-        assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is not None
-        monkeypatch.setattr(moe.packing, "PACK_MAX_BYTES", 0)  # too big to copy: the two narrow products
-        assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is None
-        torch.testing.assert_close(ex(x, weights, experts), packed, rtol=1e-6, atol=1e-7)
-        monkeypatch.undo()
-        ex.w3.mul_(-2.0)  # an in-place update (an optimizer step): the pack is rebuilt, not stale
-        ref = ex._naive(x, weights, experts, *ex.expert_weights())
-        torch.testing.assert_close(ex(x, weights, experts), ref, rtol=1e-5, atol=1e-6)
-        assert ex._decode_pack(ex.w3, ex.w1, ex.w2) is None  # not the stored weights (QAT's, a subclass's)
+        unpacked = ex(x, weights, experts)
+        assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is None  # outside a serving session: never packed
+        with packing.scope(packing.new_session()):
+            packed = ex(x, weights, experts)
+            assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is not None
+            torch.testing.assert_close(packed, unpacked, rtol=1e-6, atol=1e-7)
+            monkeypatch.setattr(packing, "PACK_MAX_BYTES", 0)  # too big to copy: the two narrow products
+            assert ex._decode_pack(ex.w1, ex.w3, ex.w2) is None
+            monkeypatch.undo()
+            ex.w3.mul_(-2.0)  # an in-place write that bumps the version counter: the pack is rebuilt
+            ref = ex._naive(x, weights, experts, *ex.expert_weights())
+            torch.testing.assert_close(ex(x, weights, experts), ref, rtol=1e-5, atol=1e-6)
+            assert ex._decode_pack(ex.w3, ex.w1, ex.w2) is None  # not the stored weights (QAT's, a subclass's)
+
+
+def test_packs_never_serve_training_or_evaluation_after_a_fused_optimizer_step():
+    """torch's fused AdamW updates weights without bumping their version counters: a pack made before such a step
+    must not be read after it. Outside a session nothing is packed; a new session repacks."""
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64)
+    x = torch.randn(3, 32)
+    session = packing.new_session()
+    with torch.no_grad(), packing.scope(session):
+        mlp(x)  # the pack of the old weights
+    for p in mlp.parameters():
+        p.grad = torch.randn_like(p)
+    versions = [p._version for p in mlp.parameters()]
+    torch.optim.AdamW(mlp.parameters(), lr=0.1, fused=True).step()
+    assert [p._version for p in mlp.parameters()] == versions  # why the session rule exists
+    want = mlp.w2(mlp.glu(x @ mlp.w1.weight.T, x @ mlp.w3.weight.T))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), want)  # evaluation: no pack
+        with packing.scope(packing.new_session()):
+            torch.testing.assert_close(mlp(x), want)  # a new session repacks
+
+
+def test_engine_refresh_weights_after_an_in_place_update():
+    from k3.model.sampling import SamplingParams
+    from k3.serve.engine import Engine
+
+    model = _mini_like()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [[11, 12, 13, 14]]
+    engine = Engine(model, max_batch=1)
+    engine.generate(prompt, params)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 0.01
+    torch.optim.AdamW(model.parameters(), lr=0.05, fused=True).step()
+    engine.refresh_weights()
+    got = engine.generate(prompt, params)[0]
+    want = Engine(model, max_batch=1).generate(prompt, params)[0]
+    assert got.output_ids == want.output_ids
+    with torch.inference_mode():  # and the logits of a plain forward (no session) agree with the engine's path
+        ids = torch.tensor([prompt[0] + want.output_ids[:-1]])
+        assert model(ids)[0, -1].argmax().item() == want.output_ids[-1]
 
 
 def test_few_token_experts_stay_off_when_gradients_are_needed():

@@ -509,9 +509,9 @@ class RoutedExperts(nn.Module):
 
     def _decode_pack(self, w1, w3, w2):
         """For `_few_tokens`: (per expert [dim, 2 ffn] gate and up side by side, per expert w2 views), or None.
-        One contiguous 2x-wide product per expert reads its weights faster than two narrow ones (k3.model.packing,
-        whose rules it follows: a copy of w1 and w3 kept until they change, for the plain stored weights only,
-        not QAT's fake-quantized ones nor a subclass's own storage, up to `PACK_MAX_BYTES`)."""
+        One contiguous 2x-wide product per expert reads its weights faster than two narrow ones. The rules are
+        k3.model.packing's (a serving session's copy of w1 and w3, up to `PACK_MAX_BYTES`), for the plain stored
+        weights only, not QAT's fake-quantized ones nor a subclass's own storage."""
         if not (w1 is self.w1 and w3 is self.w3 and w2 is self.w2) \
                 or 2 * w1.numel() * w1.element_size() > packing.PACK_MAX_BYTES:
             return None

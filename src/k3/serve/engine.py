@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 
 from k3.data.tokenizer import RESERVED_TOKENS, SPECIAL_TOKENS
+from k3.model import packing
 from k3.model.cache import HybridCache
 from k3.model.sampling import SamplingParams, apply_penalties, sample_row
 from k3.serve.prefix_cache import PrefixCache
@@ -154,6 +155,7 @@ class Engine:
         self._wake = threading.Event()
         self._ids = itertools.count()
         self.steps = 0
+        self._packing = packing.new_session()  # this engine's packed weight copies (k3.model.packing)
 
     # ------------------------------------------------------------------ public interface
     @property
@@ -263,8 +265,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Admit, prefill one chunk round, decode one token for every running request. Returns finished ones."""
-        with autocast(self.device, self.precision, training=False):
+        with autocast(self.device, self.precision, training=False), packing.scope(self._packing):
             return self._step()
+
+    def refresh_weights(self) -> None:
+        """Call after changing the model's weights in place while this engine lives (an optimizer step between
+        rollouts): the next step rebuilds the packed weight copies it decodes with (k3.model.packing), which cannot
+        see a write that leaves the tensors' version counters alone (torch's fused AdamW)."""
+        self._packing = packing.new_session()
 
     def _step(self) -> list[Request]:
         self.steps += 1
