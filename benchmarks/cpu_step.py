@@ -1,61 +1,52 @@
 """Two CPU fixes to a training step, each against the step without it: the fused SiTU-GLU and the allocator tuning.
 
-    python benchmarks/cpu_step.py [--json] [--quick] [--rounds 3] [--steps 8] [--batch-size 4] [--threads 2]
+    python benchmarks/cpu_step.py [--json] [--quick] [--rounds 8] [--batch-size 8] [--threads 2]
 
-Each variant trains `mini` (the demo's batch shape, random tokens, AdamW, fp32) in its own process, because the
-allocator setting (k3.train.device.tune_cpu_allocator, glibc's mmap and trim thresholds) is process-wide and
-cannot be undone: `fast` (both fixes, what k3 runs), `ref_glu` (the composed SiTU formula, `situ_glu_ref`, put
-in place of the fused one), `default_alloc` (K3_CPU_MALLOPT=0) and `neither`. Rounds run the four in turn, so a slow
-phase of the machine hits all of them; each process reports the median of its timed steps after warm-up, and a
-ratio is the median over rounds of t(variant) / t(fast). Also the SiTU op alone, fused against composed, forward
-and backward on the experts' shape [N*k, ffn], in one process (`glu_op`). Writes runs/bench/cpu_step.json.
+One Trainer (`mini`, the demo's batch shape, random tokens, AdamW, fp32) steps through four variants in turn, round
+after round, so that a slow phase of the machine hits all of them (separate processes, tried first, differed by
+more than the effect: 0.71-0.98 s for the same variant): `fast` (both fixes, what k3 runs), `ref_glu` (the composed
+SiTU formula, `situ_glu_ref`, in every GLU), `default_alloc` (glibc's mmap and trim thresholds set back to their
+initial 128 KiB) and `neither`. The allocator is switched with mallopt between steps, as
+k3.train.device.tune_cpu_allocator sets it. A ratio is the median over rounds of t(variant) / t(fast) within the
+round. Also the SiTU op alone, fused against composed, forward and backward on the experts' shape [N*k, ffn]
+(`glu_op`). Writes runs/bench/cpu_step.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import ctypes
+import functools
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
-from k3.benchtools import bench_out, machine, paired, positive_int, write_result
+from k3.benchtools import RandomTokens, bench_out, machine, paired, positive_int, write_result
+from k3.config import get_config
+from k3.ops.glu import situ_glu, situ_glu_ref
+from k3.train.device import tune_cpu_allocator
+from k3.train.trainer import TrainConfig, Trainer
 
-VARIANTS = {"fast": {}, "ref_glu": {"K3_BENCH_REF_GLU": "1"}, "default_alloc": {"K3_CPU_MALLOPT": "0"},
-            "neither": {"K3_BENCH_REF_GLU": "1", "K3_CPU_MALLOPT": "0"}}
-
-
-def child(steps: int, batch: int, seq: int, threads: int, warmup: int) -> dict:
-    """One variant's run, in this process (environment as the parent set it): median step seconds, peak RSS."""
-    import resource
-
-    torch.set_num_threads(threads)
-    if os.environ.get("K3_BENCH_REF_GLU") == "1":
-        import k3.ops.glu as glu
-
-        glu.situ_glu = glu.situ_glu_ref  # glu_for reads the module attribute when the model is built
-    from k3.benchtools import RandomTokens
-    from k3.config import get_config
-    from k3.train.device import tune_cpu_allocator
-    from k3.train.trainer import TrainConfig, Trainer
-
-    config = get_config("mini")
-    tc = TrainConfig(steps=warmup + steps + 1, batch_size=batch, seq_len=seq, warmup_steps=1, measure_mfu=False)
-    tr = Trainer(config, tc, RandomTokens(config.vocab_size))
-    for _ in range(warmup):
-        tr.train_step()
-    times = [tr.train_step()["step_time_s"] for _ in range(steps)]
-    return {"step_s": statistics.median(times), "tuned_allocator": tune_cpu_allocator(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+VARIANTS = ("fast", "ref_glu", "default_alloc", "neither")
+GLIBC_DEFAULT = 128 * 1024  # M_MMAP_THRESHOLD's and M_TRIM_THRESHOLD's initial values
 
 
-def glu_op(threads: int, rows: int, ffn: int, repeats: int) -> dict:
-    from k3.ops.glu import situ_glu, situ_glu_ref
+def set_allocator(tuned: bool) -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    if tuned:
+        libc.mallopt(-3, 32 << 20), libc.mallopt(-1, 1 << 30)
+    else:
+        libc.mallopt(-3, GLIBC_DEFAULT), libc.mallopt(-1, GLIBC_DEFAULT)
 
-    torch.set_num_threads(threads)
+
+def set_glu(model: torch.nn.Module, fused: bool, beta: float, lbeta: float) -> None:
+    fn = functools.partial(situ_glu if fused else situ_glu_ref, beta=beta, linear_beta=lbeta)
+    for m in model.modules():
+        if hasattr(m, "glu") and isinstance(getattr(m, "glu"), functools.partial):
+            m.glu = fn
+
+
+def glu_op(rows: int, ffn: int, repeats: int) -> dict:
     g = torch.randn(rows, ffn, requires_grad=True)
     u = torch.randn(rows, ffn, requires_grad=True)
     dh = torch.randn(rows, ffn)
@@ -71,48 +62,55 @@ def glu_op(threads: int, rows: int, ffn: int, repeats: int) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--quick", action="store_true", help="1 round of 2 steps: a smoke test")
-    ap.add_argument("--rounds", type=positive_int, default=3)
-    ap.add_argument("--steps", type=positive_int, default=8, help="timed steps per process")
-    ap.add_argument("--warmup", type=positive_int, default=3)
-    ap.add_argument("--batch-size", type=positive_int, default=4)
+    ap.add_argument("--quick", action="store_true", help="tiny preset, 1 round: a smoke test")
+    ap.add_argument("--rounds", type=positive_int, default=8)
+    ap.add_argument("--warmup", type=positive_int, default=2, help="steps per variant before the rounds")
+    ap.add_argument("--batch-size", type=positive_int, default=8)
     ap.add_argument("--seq-len", type=positive_int, default=128)
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--out", default=None, help="default runs/bench/cpu_step.json (quick: runs/bench/quick/)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    preset = "tiny" if args.quick else "mini"
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
-    if args.child:
-        print(json.dumps(child(args.steps, args.batch_size, args.seq_len, args.threads, args.warmup)))
-        return {}
+        args.rounds, args.warmup = 1, 1
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    runs = {v: [] for v in VARIANTS}
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--threads", str(args.threads)]
-    base_env = {k: v for k, v in os.environ.items() if k not in ("K3_BENCH_REF_GLU", "K3_CPU_MALLOPT")}
+    tuned = tune_cpu_allocator()
+    config = get_config(preset)
+    steps = args.warmup * len(VARIANTS) + args.rounds * len(VARIANTS) + 1
+    tc = TrainConfig(steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, warmup_steps=1, measure_mfu=False)
+    tr = Trainer(config, tc, RandomTokens(config.vocab_size))
+    beta, lbeta = float(config.situ_beta), float(config.situ_linear_beta)
+
+    def step(variant: str) -> float:
+        set_glu(tr.model, variant in ("fast", "default_alloc"), beta, lbeta)
+        if tuned:
+            set_allocator(variant in ("fast", "ref_glu"))
+        return tr.train_step()["step_time_s"]
+
+    for v in VARIANTS:
+        for _ in range(args.warmup):
+            step(v)
+    times = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
-        order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-        for v in order:
-            out = subprocess.run(cmd, env={**base_env, **VARIANTS[v]}, capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"variant {v} failed:\n{out.stderr[-2000:]}")
-            runs[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1}/{args.rounds} {v}: {runs[v][-1]['step_s']:.3f} s/step", file=sys.stderr)
-    ratios = {v: statistics.median(runs[v][i]["step_s"] / runs["fast"][i]["step_s"] for i in range(args.rounds))
+        for v in (VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))):
+            times[v].append(step(v))
+    if tuned:
+        set_allocator(True)
+    ratios = {v: statistics.median(times[v][i] / times["fast"][i] for i in range(args.rounds))
               for v in VARIANTS if v != "fast"}
+    spread = {v: [min(times[v][i] / times["fast"][i] for i in range(args.rounds)),
+                  max(times[v][i] / times["fast"][i] for i in range(args.rounds))] for v in ratios}
     tokens = args.batch_size * args.seq_len
     result = {
-        "benchmark": "cpu_step", "preset": "mini", "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "threads": args.threads, "rounds": args.rounds, "steps": args.steps,
-        "step_s": {v: statistics.median(x["step_s"] for x in runs[v]) for v in VARIANTS},
-        "tokens_per_s": {v: tokens / statistics.median(x["step_s"] for x in runs[v]) for v in VARIANTS},
-        "peak_rss_mb": {v: max(x["peak_rss_mb"] for x in runs[v]) for v in VARIANTS},
-        "over_fast": ratios,
-        "allocator_tuned": {v: runs[v][0]["tuned_allocator"] for v in VARIANTS},
-        "glu_op": glu_op(args.threads, tokens * 8, 256, 3 if args.quick else 15),
-        "definitions": {"over_fast": "median over rounds of step seconds(variant) / step seconds(fast, both fixes)",
+        "benchmark": "cpu_step", "preset": preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "threads": args.threads, "rounds": args.rounds, "allocator_switchable": tuned,
+        "step_s": {v: statistics.median(times[v]) for v in VARIANTS},
+        "tokens_per_s": {v: tokens / statistics.median(times[v]) for v in VARIANTS},
+        "over_fast": ratios, "over_fast_range": spread, "times_s": times,
+        "glu_op": glu_op(tokens * 8, 256, 3 if args.quick else 15),
+        "definitions": {"over_fast": "median over rounds of step seconds(variant) / step seconds(fast) in the same "
+                                     "round; one Trainer, variants in turn",
                         "glu_op": "SiTU forward + backward on [tokens * top-k, expert ffn]: paired(a = fused "
                                   "situ_glu, b = composed situ_glu_ref)"},
         "machine": machine(), "wall_s": round(time.perf_counter() - t0, 1),

@@ -314,7 +314,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--llama-hidden", type=int, default=None, help="Llama width (default: the preset's d_model)")
     ap.add_argument("--llama-layers", type=int, default=None, help="Llama depth (default: the preset's n_layers)")
     ap.add_argument("--llama-heads", type=int, default=None, help="Llama heads (default: width / 64)")
-    ap.add_argument("--batch-size", type=int, default=4, help="sequences per step, both models (default 4: the demo's)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per step, both models (default 8: the demo's)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128: the demo's)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="both models (default fp32)")
     ap.add_argument("--warmup-steps", type=int, default=10, help="(default 10: the demo's)")

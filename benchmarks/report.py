@@ -445,9 +445,17 @@ HEADLINES = {
         ("best.llama.tokens_per_s", "Llama training tokens/s (that run)", ""),
         ("llama_over_k3_tokens_per_s", "Llama / k3 mini training tokens/s", ""),
     ],
+    "cpu_step": [
+        ("over_fast.neither", "mini training step without / with the fused SiTU and the allocator tuning (demo shape "
+                              "8 x 128, 2 threads, fp32, one Trainer, variants in turn)", ""),
+        ("over_fast.ref_glu", "same, composed SiTU / fused (allocator tuned in both)", ""),
+        ("over_fast.default_alloc", "same, glibc's default allocator / tuned (fused SiTU in both)", ""),
+        ("step_s.fast", "that step with both fixes (s)", ""),
+        ("glu_op.composed_over_fused", "SiTU forward + backward on [8192, 256], composed / fused time", ""),
+    ],
     "demo_sweep": [
         ("best.val_bpb_fixed", "k3 demo, best point of the lr x batch x precision sweep: validation bits/byte "
-                               "(scored on the default demo's windows)", "<= 1.70"),
+                               "(scored on batch-4 windows, the same tokens for every point)", "<= 1.70"),
         ("best.val_bpb_end", "the same point, the demo's own figure (its batch's windows)", ""),
         ("best.lr", "that point's peak lr", ""),
         ("best.batch_size", "that point's batch size", ""),

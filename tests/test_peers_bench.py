@@ -78,6 +78,6 @@ def test_demo_sweep_quick(load_benchmark, quick_data, tmp_path):
     res = sweep.main(["--quick", "--lrs", "3e-3", "--batch-sizes", "4", "--threads", "1", "--data", str(quick_data),
                       "--out", str(tmp_path / "s.json")])
     (p,) = res["points"].values()
-    # at the default demo's batch the rescoring sees the demo's own validation tokens
+    # at the rescoring's batch (4) it sees the demo's own validation tokens
     assert p["val_bpb_fixed"] == pytest.approx(p["val_bpb_end"], abs=1e-6)
     assert res["best"]["lr"] == 3e-3 and not (tmp_path / "s" / "lr0.003-b4-fp32" / "checkpoint").exists()

@@ -431,7 +431,7 @@ def register(sub) -> None:
     p.add_argument("--data", default=DEFAULT_DATA, help=f"where the tokenized data lives (default {DEFAULT_DATA})")
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     add_flags(p, TrainConfig, only=DEMO_FLAGS,
-              defaults={"batch_size": 4, "lr": 2e-3, "warmup_steps": 10, "eval_batches": 16, "precision": "auto"},
+              defaults={"batch_size": 8, "lr": 2e-3, "warmup_steps": 10, "eval_batches": 16, "precision": "auto"},
               helps={"precision": PRECISION_HELP})
     _add_threads(p)
     p.add_argument("--max-steps", type=int, default=100_000, help="cap on steps (the time budget decides)")
