@@ -37,7 +37,7 @@ def test_llama_reads_each_packed_document_on_its_own(peers):
 
 def test_quick_run_json_and_resume(peers, quick_data, tmp_path, monkeypatch):
     out = tmp_path / "peers.json"
-    args = ["--quick", "--in-process", "--json", "--data", str(quick_data), "--out", str(out)]
+    args = ["--quick", "--in-process", "--json", "--batch-size", "4", "--data", str(quick_data), "--out", str(out)]
     res = peers.main(args)
     assert json.loads(out.read_text()) == res
     k3, llama = res["models"]["k3"], res["models"]["llama"]

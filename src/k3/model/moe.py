@@ -512,7 +512,7 @@ class RoutedExperts(nn.Module):
         One contiguous 2x-wide product per expert reads its weights faster than two narrow ones. The rules are
         k3.model.packing's (a serving session's copy of w1 and w3, up to `PACK_MAX_BYTES`), for the plain stored
         weights only, not QAT's fake-quantized ones nor a subclass's own storage."""
-        if not (w1 is self.w1 and w3 is self.w3 and w2 is self.w2) \
+        if not (w1 is getattr(self, "w1", None) and w3 is getattr(self, "w3", None) and w2 is getattr(self, "w2", None)) \
                 or 2 * w1.numel() * w1.element_size() > packing.PACK_MAX_BYTES:
             return None
         return packing.cached_pack(self, "gate_up", (w1, w3, w2),
