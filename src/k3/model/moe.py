@@ -512,7 +512,8 @@ class RoutedExperts(nn.Module):
         One contiguous 2x-wide product per expert reads its weights faster than two narrow ones. The rules are
         k3.model.packing's (a serving session's copy of w1 and w3, up to `PACK_MAX_BYTES`), for the plain stored
         weights only, not QAT's fake-quantized ones nor a subclass's own storage."""
-        if not (w1 is getattr(self, "w1", None) and w3 is getattr(self, "w3", None) and w2 is getattr(self, "w2", None)) \
+        stored = tuple(getattr(self, n, None) for n in ("w1", "w3", "w2"))  # a subclass may store none
+        if not (w1 is stored[0] and w3 is stored[1] and w2 is stored[2]) \
                 or 2 * w1.numel() * w1.element_size() > packing.PACK_MAX_BYTES:
             return None
         return packing.cached_pack(self, "gate_up", (w1, w3, w2),

@@ -57,8 +57,9 @@ def tune_cpu_allocator() -> bool:
     step pays its page faults again: a 4 MB elementwise output cost ~0.6 ms where the arithmetic took 0.1 ms.
     Raising the mmap threshold to 32 MiB and the trim threshold to 1 GiB reuses freed memory instead: with the
     fused SiTU, `mini`'s step ran 1.34x faster, 1.06x from this alone (docs/training.md, "The CPU step"). The
-    cost is up to 1 GiB of freed heap held by the process. This is what glibc's MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set from the environment, applied from Python;
-    K3_CPU_MALLOPT=0 turns it off, and it is skipped where those variables are already set or libc is not glibc."""
+    cost is up to 1 GiB of freed heap held by the process. This is what glibc's MALLOC_MMAP_THRESHOLD_ /
+    MALLOC_TRIM_THRESHOLD_ set from the environment, applied from Python; K3_CPU_MALLOPT=0 turns it off, and it is
+    skipped where those variables are already set or libc is not glibc."""
     global _cpu_alloc_tuned
     if _cpu_alloc_tuned is not None:
         return _cpu_alloc_tuned
