@@ -48,7 +48,7 @@ class _SiTUGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, beta, linear_beta):
         ctx.dtype = gate.dtype
-        # in fp32 at least: 2 sigmoid - 1 in bf16 would lose tanh's relative precision near 0
+        # in fp32 at least: bf16 keeps too few bits for the expm1 form and the written-out backward
         gate, up = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t for t in (gate, up))
         sg = torch.sigmoid(gate)
         tg = _tanh_scaled(gate, beta)
