@@ -24,6 +24,7 @@ import torch
 from k3.benchtools import RandomTokens, bench_out, machine, paired, positive_int, write_result
 from k3.config import get_config
 from k3.ops.glu import situ_glu, situ_glu_ref
+from k3.train import device as dev
 from k3.train.device import tune_cpu_allocator
 from k3.train.trainer import TrainConfig, Trainer
 
@@ -32,11 +33,10 @@ GLIBC_DEFAULT = 128 * 1024  # M_MMAP_THRESHOLD's and M_TRIM_THRESHOLD's initial 
 
 
 def set_allocator(tuned: bool) -> None:
+    """glibc's thresholds as tune_cpu_allocator sets them, or back to their initial values."""
     libc = ctypes.CDLL("libc.so.6")
-    if tuned:
-        libc.mallopt(-3, 32 << 20), libc.mallopt(-1, 1 << 30)
-    else:
-        libc.mallopt(-3, GLIBC_DEFAULT), libc.mallopt(-1, GLIBC_DEFAULT)
+    libc.mallopt(dev._M_MMAP_THRESHOLD, dev._CPU_ALLOC_MMAP_BYTES if tuned else GLIBC_DEFAULT)
+    libc.mallopt(dev._M_TRIM_THRESHOLD, dev._CPU_ALLOC_TRIM_BYTES if tuned else GLIBC_DEFAULT)
 
 
 def set_glu(model: torch.nn.Module, fused: bool, beta: float, lbeta: float) -> None:

@@ -335,12 +335,10 @@ def _execute_in_worker(spec_dict: dict, out: str, data_dir: str | None, save_wei
 def auto_jobs() -> int:
     """The CPU cores other work leaves free now (k3.train.device.busy_cores; the load average where /proc/stat is
     missing), at least 1, at most the core count."""
-    from k3.train.device import busy_cores
+    from k3.train.device import busy_now
 
     n = os.cpu_count() or 1
-    busy = busy_cores()
-    if busy is None and hasattr(os, "getloadavg"):
-        busy = os.getloadavg()[0]
+    busy, _ = busy_now()
     return n if busy is None else max(1, min(n, int(n - busy + 0.5)))
 
 

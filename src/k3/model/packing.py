@@ -62,6 +62,8 @@ def cached_pack(owner: nn.Module, name: str, ws: Sequence[torch.Tensor], build) 
 def packed_weight(owner: nn.Module, name: str, linears: Sequence[nn.Module]) -> torch.Tensor | None:
     """The weights of `linears` (plain bias-free nn.Linear reading one input) stacked by output rows,
     [sum of out_features, in_features], or None where they must run apart (module doc)."""
+    if _SESSION.get() is None:  # training and evaluation: no per-call checks on their path
+        return None
     if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
         return None
     ws = [m.weight for m in linears]

@@ -125,13 +125,8 @@ def choose_threads(n: int | None, auto: bool = False) -> tuple[int, str]:
         return torch.get_num_threads(), f"--threads {n} given"
     if auto:
         cores = os.cpu_count() or 1
-        busy = device.busy_cores()
-        if busy is not None:
-            what = f"{busy:.1f} busy now (0.5 s sample)"
-        elif hasattr(os, "getloadavg"):
-            busy = os.getloadavg()[0]
-            what = f"load average {busy:.1f}"
-        else:
+        busy, what = device.busy_now()
+        if busy is None:
             return torch.get_num_threads(), "torch's default for this machine"
         free = max(1, min(torch.get_num_threads(), int(cores - busy + 0.5)))
         torch.set_num_threads(free)

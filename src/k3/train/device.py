@@ -96,3 +96,14 @@ def busy_cores(sample_s: float = 0.5) -> float | None:
     if all1 <= all0:
         return None
     return (1 - (idle1 - idle0) / (all1 - all0)) * (os.cpu_count() or 1)
+
+
+def busy_now() -> tuple[float | None, str]:
+    """(cores busy now, how that was measured): `busy_cores`, else the 1-minute load average, else (None, "")."""
+    busy = busy_cores()
+    if busy is not None:
+        return busy, f"{busy:.1f} busy now (0.5 s sample)"
+    if hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+        return load, f"load average {load:.1f}"
+    return None, ""
