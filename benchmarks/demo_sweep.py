@@ -27,14 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _shown(path) -> str:
-    """A path as results record it: relative to the repository when inside it (no machine paths in the JSON)."""
-    p = Path(path).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 sys.path.insert(0, str(ROOT / "src"))
 
-from k3.benchtools import bench_out, machine, write_result  # noqa: E402
+from k3.benchtools import bench_out, machine, shown_path, write_result  # noqa: E402
 
 K3 = [sys.executable, "-c", "import sys; from k3.cli import main; sys.exit(main())"]  # `k3` of this interpreter
 FIXED_BATCH = 4  # the windows every point is rescored on: batch 4, the demo's default until this sweep chose 8
@@ -169,7 +164,7 @@ def main(argv=None) -> dict:
     out = Path(args.out or bench_out("demo_sweep", q))
     runs_dir = out.with_suffix("")
     settings = {"minutes": args.minutes, "seq_len": args.seq_len, "eval_batches": args.eval_batches,
-                "threads": args.threads, "data": _shown(args.data), "demo_args": args.demo_args}
+                "threads": args.threads, "data": shown_path(args.data, ROOT), "demo_args": args.demo_args}
     points: dict[str, dict] = {}
     if args.resume and out.is_file():
         old = json.loads(out.read_text())
@@ -203,7 +198,7 @@ def main(argv=None) -> dict:
               file=sys.stderr, flush=True)
     png = plot(points, out.with_suffix(".png"), f"k3 demo, {args.minutes:g} min per point")
     if png is not None:
-        result["plot"] = _shown(png)
+        result["plot"] = shown_path(png, ROOT)
         write_result(out, result)
     if args.json:
         print(json.dumps(result))

@@ -47,14 +47,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _shown(path) -> str:
-    """A path as results record it: relative to the repository when inside it (no machine paths in the JSON)."""
-    p = Path(path).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 sys.path.insert(0, str(ROOT / "src"))
 
-from k3.benchtools import bench_out, machine, write_result  # noqa: E402
+from k3.benchtools import bench_out, machine, shown_path, write_result  # noqa: E402
 from k3.config import get_config  # noqa: E402
 
 MODELS = ("k3", "llama")
@@ -369,7 +364,7 @@ def main(argv=None) -> dict:
                 "precision": args.precision, "warmup_steps": args.warmup_steps,
                 "eval_batches": args.eval_batches or (2 if q else 16),
                 "max_steps": args.max_steps or (8 if q else 100_000), "doc_mask": not args.no_doc_mask,
-                "seed": args.seed, "threads": threads, "data": _shown(data), "max_bytes": max_bytes,
+                "seed": args.seed, "threads": threads, "data": shown_path(data, ROOT), "max_bytes": max_bytes,
                 "vocab_size": config.vocab_size, "decay_frac": 0.2, "schedule": "WSD fitted to the time budget",
                 "optimizer": "adamw"}
     runs: dict[str, dict] = {}
@@ -428,7 +423,7 @@ def main(argv=None) -> dict:
     png = plot(runs, out.with_suffix(".png"), f"{preset} vs Llama, {minutes:g} min, batch {args.batch_size} x "
                                                 f"{seq_len}, {args.precision}")
     if png is not None:
-        result["plot"] = _shown(png)
+        result["plot"] = shown_path(png, ROOT)
         write_result(out, result)
     if args.json:
         print(json.dumps(result))

@@ -94,6 +94,13 @@ def matmul_peak(repeats: int = 5, n: int = 2048, dtype: torch.dtype = torch.floa
 BENCH_DIR = Path(__file__).resolve().parents[2] / "runs" / "bench"
 
 
+def shown_path(path: str | os.PathLike, root: str | os.PathLike) -> str:
+    """A path as results record it: relative to `root` (the repository) when inside it, so no machine paths reach
+    the JSON."""
+    p, root = Path(path).resolve(), Path(root).resolve()
+    return str(p.relative_to(root)) if p.is_relative_to(root) else str(p)
+
+
 def bench_out(name: str, quick: bool = False) -> Path:
     """Where benchmark `name` writes its JSON: runs/bench/NAME.json, or runs/bench/quick/ for --quick smoke
     runs, so that a smoke run never replaces the figure docs/benchmarks.md is built from."""
