@@ -139,7 +139,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, a, b, o_in = packed_linear(
             self, "decode_in", (self.q_proj, self.k_proj, self.v_proj, self.alpha_down, self.beta_proj, gate_in), x1)
         raw = torch.cat([q, k, v], dim=-1)  # [B, 3HK]
-        window = torch.cat([cache.conv_state.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)  # [B, 3HK, W]
+        prev = cache.conv_state
+        window = torch.cat([prev if prev.dtype == raw.dtype else prev.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)
         cache.conv_state = window[..., 1:]
         qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)
         qk = qkv[:, :2]
@@ -148,9 +149,9 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(b)
         o, cache.state = kda_step(q, k, qkv[:, 2], g, beta, cache.state)
         o = at_least_fp32(o)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * at_least_fp32(self.norm_weight)
+        o = F.rms_norm(o, (K,), at_least_fp32(self.norm_weight), self.eps)  # the same norm as forward's, fused
         gate = o_in if hasattr(self, "g_proj") else self.gate_up(o_in)
-        o = o.to(x.dtype) * torch.sigmoid(gate).view(B, H, K)
+        o = (o if o.dtype == x.dtype else o.to(x.dtype)) * torch.sigmoid(gate).view(B, H, K)
         return self.o_proj(o.view(B, 1, H * K))
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:

@@ -94,11 +94,13 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.scores(x).reshape(-1, self.n_experts)  # [N, E]
-        bias = self.bias.float()
+        bias = self.bias if self.bias.dtype == torch.float32 else self.bias.float()
         biased = s.detach() + bias
         experts = biased.topk(self.top_k, dim=-1).indices  # selection on s + b ...
         g = s.gather(-1, experts)  # ... weights from the unbiased s
-        weights = g / (g.sum(-1, keepdim=True) + 1e-20) * self.routed_scale
+        weights = g / (g.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
 
         keep = self._kept_tokens(x)  # None: every token counts
         counted = experts if keep is None else experts[keep]
@@ -482,15 +484,18 @@ class RoutedExperts(nn.Module):
         one product per expert when `_decode_pack` has them side by side."""
         N, k = experts.shape
         ids = experts.reshape(-1).tolist()
-        order = sorted(range(N * k), key=ids.__getitem__)  # token-slots grouped by expert (stable)
-        runs, a = [], 0
-        for b in range(1, N * k + 1):
-            if b == N * k or ids[order[b]] != ids[order[a]]:
-                runs.append((ids[order[a]], a, b))
-                a = b
-        order_t = torch.tensor(order, device=x.device)
-        xs = x if N == 1 else x.index_select(0, order_t // k)  # rows in expert order (N = 1: every run reads x)
-        rows = [x if N == 1 else xs[a:b] for _, a, b in runs]
+        if N == 1:  # k distinct experts, each run is one slot, in slot order, and every run reads x
+            runs = [(e, j, j + 1) for j, e in enumerate(ids)]
+            rows = [x] * k
+        else:
+            order = sorted(range(N * k), key=ids.__getitem__)  # token-slots grouped by expert (stable)
+            runs, a = [], 0
+            for b in range(1, N * k + 1):
+                if b == N * k or ids[order[b]] != ids[order[a]]:
+                    runs.append((ids[order[a]], a, b))
+                    a = b
+            order_t = torch.tensor(order, device=x.device)
+            rows = x.index_select(0, order_t // k).split([b - a for _, a, b in runs])  # in expert order
         pack = self._decode_pack(w1, w3, w2)
         if pack is not None:
             w13s, w2s = pack
@@ -501,9 +506,10 @@ class RoutedExperts(nn.Module):
             gate = torch.cat([r @ w1[e] for r, (e, _, _) in zip(rows, runs)])
             up = torch.cat([r @ w3[e] for r, (e, _, _) in zip(rows, runs)])
         h = self.quant_act(self.glu(gate, up))
-        out_sorted = torch.cat([h[a:b] @ w2s[e] for e, a, b in runs])
-        if N == 1:  # the token's k outputs, weighted, in expert order
-            return weights[:, order_t] @ out_sorted
+        hs = h.split([b - a for _, a, b in runs])  # each run's rows, in one call
+        out_sorted = torch.cat([r @ w2s[e] for r, (e, _, _) in zip(hs, runs)])
+        if N == 1:  # the token's k outputs, weighted
+            return weights @ out_sorted
         out = torch.empty_like(out_sorted).index_copy_(0, order_t, out_sorted).view(N, k, self.dim)
         return torch.bmm(weights.unsqueeze(1), out).squeeze(1)
 
@@ -581,7 +587,8 @@ class MoE(nn.Module):
         y = self.experts(z, weights, experts)
         if self.latent_norm is not None:  # in fp32, as the release's RMSNorm computes it
             n = self.latent_norm
-            y = F.rms_norm(at_least_fp32(y), n.normalized_shape, at_least_fp32(n.weight), n.eps).to(y.dtype)
+            y32 = F.rms_norm(at_least_fp32(y), n.normalized_shape, at_least_fp32(n.weight), n.eps)
+            y = y32 if y32.dtype == y.dtype else y32.to(y.dtype)
         if self.latent:
             y = self.w_up(y)
         if self.shared is not None:

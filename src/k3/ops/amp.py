@@ -12,10 +12,15 @@ import torch
 
 __all__ = ["autocast_on", "no_autocast", "without_autocast"]
 
+_WIDE = (torch.float32, torch.float64)
+
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     """`t` in fp32, or kept in fp64: what `.float()` means for numerically sensitive steps, without turning an
-    fp64 model (exact references, gradcheck) into an fp32 one."""
+    fp64 model (exact references, gradcheck) into an fp32 one. Already wide, `t` itself comes back without a
+    dispatcher call (a decode step makes ~100 of these)."""
+    if t.dtype in _WIDE:
+        return t
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 

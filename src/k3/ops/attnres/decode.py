@@ -17,8 +17,9 @@ __all__ = ["decode_key", "decode_mix"]
 
 def decode_key(source: torch.Tensor, eps: float) -> torch.Tensor:
     """source [B, T, D] -> its key RMSNorm(source) without weight, [B, T, D] in the compute dtype (fp32 / fp64)."""
+    dtype = compute_dtype(source)
     with no_autocast(source.device.type):
-        return F.rms_norm(source.to(compute_dtype(source)), (source.shape[-1],), eps=eps)
+        return F.rms_norm(source if source.dtype == dtype else source.to(dtype), (source.shape[-1],), eps=eps)
 
 
 def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: torch.Tensor,
@@ -27,7 +28,11 @@ def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: tor
     h [B, T, D] (sources' dtype) and the weights over sources [B, T, S], as `naive.attnres_mix` returns them."""
     k = torch.stack(keys)  # [S, B, T, D]
     with no_autocast(k.device.type):  # the softmax in the keys' precision, as naive.attnres_mix keeps it
-        q = query.to(k.dtype) if norm_weight is None else query.to(k.dtype) * norm_weight.to(k.dtype)
+        # (a mix is ~10 tiny kernels: the casts that would change nothing are skipped, not dispatched)
+        q = query if query.dtype == k.dtype else query.to(k.dtype)
+        if norm_weight is not None:
+            q = q * norm_weight.to(k.dtype)
         w = torch.matmul(k, q).softmax(dim=0)  # [S, B, T]
-        h = (w.unsqueeze(-1) * torch.stack(sources).to(w.dtype)).sum(0)
-    return h.to(sources[0].dtype), w.permute(1, 2, 0)
+        src = torch.stack(sources)
+        h = (w.unsqueeze(-1) * (src if src.dtype == w.dtype else src.to(w.dtype))).sum(0)
+    return (h if h.dtype == sources[0].dtype else h.to(sources[0].dtype)), w.permute(1, 2, 0)

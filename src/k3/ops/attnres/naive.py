@@ -18,7 +18,7 @@ __all__ = ["attnres_logits", "attnres_mix", "check_query", "check_sources", "com
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (tests can then check the algebra exactly)."""
-    return torch.promote_types(x.dtype, torch.float32)
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def check_sources(sources: torch.Tensor, name: str = "sources", allow_empty: bool = False) -> None:
