@@ -32,6 +32,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 must make the step at least this much faster: below it, timing noise could flip the choice between runs
 MARGIN = 1.1
 CACHE_VERSION = 1
+# the probe's training step has the demo's batch shape: with fewer tokens each expert's matmuls get a handful of
+# rows, where bf16 gains little (mini, 2 threads: 2x64 tokens measured bf16 0.98-1.06x, 8x128 1.18-1.20x)
+PROBE_BATCH, PROBE_SEQ_LEN = 8, 128
 # CPU flags that decide how fast bf16 runs (native bf16 dot products, AMX tiles)
 BF16_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
 
@@ -71,7 +74,7 @@ def _code_fingerprint() -> str:
 
 def host_key(threads: int | None = None) -> str:
     """What the probe's result depends on: CPU model and bf16 flags, torch's CPU capability and version, threads,
-    and the version of k3's model code."""
+    the version of k3's model code and the probe's step shape."""
     model, flags = _cpu()
     threads = torch.get_num_threads() if threads is None else threads
     try:
@@ -79,7 +82,7 @@ def host_key(threads: int | None = None) -> str:
     except AttributeError:
         capability = "?"
     return (f"{model} [{' '.join(flags) or 'no bf16 flags'}] {capability} torch {torch.__version__}, {threads} "
-            f"threads, k3 code {_code_fingerprint()}")
+            f"threads, k3 code {_code_fingerprint()}, probe step {PROBE_BATCH}x{PROBE_SEQ_LEN}")
 
 
 def cache_path() -> Path:
@@ -146,7 +149,8 @@ def _interleaved(fn_a: Callable[[], float], fn_b: Callable[[], float], repeats: 
     return a, b
 
 
-def probe(*, matmul_size: int = 1024, batch: int = 2, seq_len: int = 64, n_layers: int = 4, repeats: int = 3,
+def probe(*, matmul_size: int = 1024, batch: int = PROBE_BATCH, seq_len: int = PROBE_SEQ_LEN, n_layers: int = 4,
+          repeats: int = 3,
           budget_s: float = 8.0) -> dict:
     """Measure fp32 against bf16 autocast on this CPU, at the current thread count: a square matmul, then a
     forward + backward training step of `mini`'s widths and layer kinds (`n_layers` = 4: three KDA layers and one
