@@ -87,13 +87,15 @@ def run_point(p: dict, args, run_dir: Path, with_precision: bool) -> dict:
     if rc in (130, 137, 143) or rc < 0:
         raise KeyboardInterrupt(f"k3 demo stopped (exit {rc})")
     summary = run_dir / "summary.json"
+    # the command as recorded: paths inside the repository relative to it (no machine paths in the JSON)
+    shown = ["k3", *(shown_path(a, ROOT) if a in (args.data, str(run_dir)) else a for a in cmd[len(K3):])]
     if rc != 0 or not summary.is_file():
-        return {**p, "error": f"k3 demo exited with {rc}", "command": "k3 " + " ".join(cmd[len(K3):])}
+        return {**p, "error": f"k3 demo exited with {rc}", "command": " ".join(shown)}
     s = json.loads(summary.read_text())
     out = {**p, **{k: s.get(k) for k in ("val_bpb_end", "val_bpb_start", "steps", "planned_steps", "tokens",
                                         "train_minutes", "total_minutes", "unigram_bpb", "val_tokens_scored")},
            "tokens_per_s": round(s["tokens"] / (s["train_minutes"] * 60), 1) if s.get("train_minutes") else None,
-           "wall_s": round(time.perf_counter() - t0, 1), "command": "k3 " + " ".join(cmd[len(K3):])}
+           "wall_s": round(time.perf_counter() - t0, 1), "command": " ".join(shown)}
     out.update(rescore(run_dir, args.data, args.eval_batches, args.seq_len))
     if not args.keep_checkpoints:
         shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
