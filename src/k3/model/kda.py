@@ -139,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, a, b, o_in = packed_linear(
             self, "decode_in", (self.q_proj, self.k_proj, self.v_proj, self.alpha_down, self.beta_proj, gate_in), x1)
         raw = torch.cat([q, k, v], dim=-1)  # [B, 3HK]
-        prev = cache.conv_state
+        prev = cache.conv_state  # the window is [B, 3HK, W]: the cached W - 1 inputs, then this one
         window = torch.cat([prev if prev.dtype == raw.dtype else prev.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)
         cache.conv_state = window[..., 1:]
         qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)

@@ -150,8 +150,7 @@ def _interleaved(fn_a: Callable[[], float], fn_b: Callable[[], float], repeats: 
 
 
 def probe(*, matmul_size: int = 1024, batch: int = PROBE_BATCH, seq_len: int = PROBE_SEQ_LEN, n_layers: int = 4,
-          repeats: int = 3,
-          budget_s: float = 8.0) -> dict:
+          repeats: int = 3, budget_s: float = 8.0) -> dict:
     """Measure fp32 against bf16 autocast on this CPU, at the current thread count: a square matmul, then a
     forward + backward training step of `mini`'s widths and layer kinds (`n_layers` = 4: three KDA layers and one
     MLA layer, mini's 3:1; the dense MLP, then MoE; batch x seq_len tokens). Each after one warm-up, interleaved,
