@@ -462,6 +462,13 @@ HEADLINES = {
         ("best.precision", "that point's precision", ""),
         ("best.steps", "that point's steps in the budget", ""),
     ],
+    "demo_sweep_prec": [
+        ("points.lr0.002-b8-bf16.val_bpb_end", "k3 demo at its defaults (lr 2e-3, batch 8) in bf16: validation "
+                                               "bits/byte in the 10 minutes", "<= 1.70"),
+        ("points.lr0.002-b8-fp32.val_bpb_end", "the same in fp32, run next to it", ""),
+        ("points.lr0.002-b8-bf16.steps", "bf16's steps in the budget", ""),
+        ("points.lr0.002-b8-fp32.steps", "fp32's steps in the budget", ""),
+    ],
     "gpu": [
         ("peaks.bf16_matmul_tflops", "GPU bf16 8192^3 matmul TFLOP/s (the ceiling for the rows below)", ""),
         ("peaks.fp32_matmul_tflops", "GPU fp32 8192^3 matmul TFLOP/s (tf32 off)", ""),
@@ -484,11 +491,20 @@ HEADLINES = {
 
 
 def lookup(d: dict, path: str):
-    for part in path.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
+    """d's value at a dotted path; a key that itself holds dots (a sweep point named `lr0.002-b8-bf16`) matches
+    whole, the longest such key first."""
+    if not path:
+        return d
+    if not isinstance(d, dict):
+        return None
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i])
+        if key in d:
+            v = lookup(d[key], ".".join(parts[i:]))
+            if v is not None:
+                return v
+    return None
 
 
 def fmt(v) -> str:

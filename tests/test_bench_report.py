@@ -35,3 +35,13 @@ def test_partial_rerun_keeps_earlier_rows_and_machine_lines(load_benchmark, tmp_
     assert "- `moe`: hostB, 2, torch 2.13.0+cpu" in new
     assert "- `kda`: hostA, 2, torch 2.13.0+cpu (earlier run)" in new
     assert "- `qat-start0.5`: hostA, 2, torch 2.13.0+cpu (earlier run)" in new
+
+
+def test_lookup_reads_keys_that_hold_dots(load_benchmark):
+    """A sweep names its points by their settings (`lr0.002-b8-bf16`): the dotted path finds them whole."""
+    lookup = load_benchmark("report").lookup
+    d = {"points": {"lr0.002-b8-bf16": {"steps": 410}, "lr0.002": {"steps": 1}}, "threads": {"2": {"x": 3.5}}}
+    assert lookup(d, "points.lr0.002-b8-bf16.steps") == 410
+    assert lookup(d, "points.lr0.002.steps") == 1
+    assert lookup(d, "threads.2.x") == 3.5
+    assert lookup(d, "points.lr0.003-b8-bf16.steps") is None and lookup(d, "threads.2.x.y") is None
