@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_train_resume_eval_sample(tiny_data_dir, tmp_path, capsys):
     assert capsys.readouterr().out == first  # seeded sampling is reproducible
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "vocab", "qat", "unwritable", "exists", "raw", "both"])
+@pytest.mark.parametrize("case", ["missing", "empty", "vocab", "qat", "unwritable", "exists", "raw", "both", "decay"])
 def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys):
     data, out, extra = str(tiny_data_dir), str(tmp_path / "out"), []
     if case == "missing":
@@ -82,6 +83,8 @@ def test_train_bad_input_is_one_clear_line(case, tiny_data_dir, tmp_path, capsys
         extra, want = ["--qat", "bogus=1"], "KEY=FORMAT"
     elif case == "both":
         extra, want = ["--resume", "--overwrite"], "give one of them"
+    elif case == "decay":
+        extra, want = ["--decay-frac", "1.5"], "--decay-frac 1.5 must be a fraction of the steps"
     elif case == "unwritable":
         (tmp_path / "f").write_text("")
         out, want = str(tmp_path / "f" / "out"), "not writable"
@@ -101,7 +104,7 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     out = tmp_path / "demo"
     rc = main(["demo", "--preset", "tiny", "--data", str(tiny_data_dir), "--max-bytes", "300000", "--out", str(out),
                "--minutes", "0.15", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2",
-               "--sample-tokens", "4"])
+               "--sample-tokens", "4", "--decay-frac", "0.5"])
     assert rc == 0
     cap = capsys.readouterr()
     text = cap.out
@@ -114,6 +117,8 @@ def test_demo_small(tiny_data_dir, tmp_path, capsys):
     assert s["steps"] > 1 and s["val_bpb_end"] < s["val_bpb_start"]
     assert 0 < s["unigram_bpb"] < s["val_bpb_start"]  # an untrained model is worse than unigram
     assert s["checkpoint"].endswith(f"step_{s['steps']:06d}")
+    manifest = json.loads((Path(s["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["extra"]["train"]["decay_frac"] == 0.5  # the schedule's flags reach the run
     assert s["total_minutes"] < 0.15 + 0.2
     assert s["val_tokens_scored"] == 2 * 2 * 16  # counted over the windows the baseline and the model scored
     assert s["precision"] == "fp32" and s["precision_reason"] and s["threads"] >= 1 and s["threads_reason"]

@@ -294,8 +294,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     trainer = Trainer(config, tc, files.train, files.val, out, bytes_per_token=bpt, data_info=_data_info(files),
                       overwrite=True)
+    # after training: the samples (timed here on the untrained model: decoding costs the same trained), plots and
+    # summary, with room to spare; the trainer budgets its own final evaluation and save
+    reserve = min(AFTER_TRAINING_S + 2.0 * len(DEMO_PROMPTS) * args.sample_tokens * _decode_seconds(trainer.model),
+                  6.0 * args.minutes)
     spent = time.perf_counter() - t_start
-    reserve = min(45.0, 6.0 * args.minutes)  # samples, plots, summary; the trainer budgets its final eval + save
     budget_min = (args.minutes * 60 - spent - reserve) / 60
     if budget_min * 60 < 5:
         raise ValueError(f"--minutes {args.minutes} leaves {budget_min * 60:.0f}s for training after preparing the "
@@ -359,6 +362,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+AFTER_TRAINING_S = 10.0  # the demo's plots and summary, with room: ~3 s on the 2-core development machine
+
+
+def _decode_seconds(model, tokens: int = 8) -> float:
+    """Seconds per sampled token of `model.generate` on this host (the second of two timed calls)."""
+    import torch
+
+    start = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        model.generate(start, tokens)
+        dt = time.perf_counter() - t0
+    return dt / tokens
+
+
 def _check_demo_dirs(data: Path, out: Path) -> None:
     """The demo tokenizes the standard library into --data and replaces the run in --out: refuse directories
     that hold something else (another corpus's data; a `k3 train` run), so nothing of the user's is lost."""
@@ -381,11 +399,11 @@ def _check_demo_dirs(data: Path, out: Path) -> None:
 
 # ---------------------------------------------------------------------- registration
 # TrainConfig's flags each command takes (k3.cli_checks.flag: one name and help per setting)
-TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "accum", "lr", "optimizer", "warmup_steps", "max_minutes",
-               "eval_every", "eval_batches", "ckpt_every", "keep_last", "seed", "doc_mask", "activation_checkpointing",
-               "compile", "device", "precision")
-DEMO_FLAGS = ("batch_size", "seq_len", "lr", "optimizer", "warmup_steps", "eval_batches", "ckpt_every", "seed",
-              "doc_mask", "precision")
+TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "accum", "lr", "optimizer", "warmup_steps", "decay_frac",
+               "max_minutes", "eval_every", "eval_batches", "ckpt_every", "keep_last", "seed", "doc_mask",
+               "activation_checkpointing", "compile", "device", "precision")
+DEMO_FLAGS = ("batch_size", "seq_len", "lr", "optimizer", "warmup_steps", "decay_frac", "eval_batches", "ckpt_every",
+              "seed", "doc_mask", "precision")
 PRECISION_HELP = ("fp32, bf16 (autocast; weights and optimizer state stay fp32), or auto (default): bf16 only where a "
                   "probe on this host, cached per host, measures a training step faster")
 
