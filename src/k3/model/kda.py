@@ -18,7 +18,7 @@ from torch import nn
 
 from k3.model.cache import KDACache
 from k3.model.packing import packed_linear
-from k3.ops.amp import at_least_fp32
+from k3.ops.amp import as_dtype, at_least_fp32
 from k3.ops.kda import kda, kda_step
 
 
@@ -139,8 +139,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, a, b, o_in = packed_linear(
             self, "decode_in", (self.q_proj, self.k_proj, self.v_proj, self.alpha_down, self.beta_proj, gate_in), x1)
         raw = torch.cat([q, k, v], dim=-1)  # [B, 3HK]
-        prev = cache.conv_state  # the window is [B, 3HK, W]: the cached W - 1 inputs, then this one
-        window = torch.cat([prev if prev.dtype == raw.dtype else prev.to(raw.dtype), raw.unsqueeze(-1)], dim=-1)
+        # the window is [B, 3HK, W]: the cached W - 1 inputs, then this one
+        window = torch.cat([as_dtype(cache.conv_state, raw.dtype), raw.unsqueeze(-1)], dim=-1)
         cache.conv_state = window[..., 1:]
         qkv = F.silu((window * self.conv_weight[:, 0]).sum(-1)).view(B, 3, H, K)
         qk = qkv[:, :2]
@@ -151,7 +151,7 @@ class KimiDeltaAttention(nn.Module):
         o = at_least_fp32(o)
         o = F.rms_norm(o, (K,), at_least_fp32(self.norm_weight), self.eps)  # the same norm as forward's, fused
         gate = o_in if hasattr(self, "g_proj") else self.gate_up(o_in)
-        o = (o if o.dtype == x.dtype else o.to(x.dtype)) * torch.sigmoid(gate).view(B, H, K)
+        o = as_dtype(o, x.dtype) * torch.sigmoid(gate).view(B, H, K)
         return self.o_proj(o.view(B, 1, H * K))
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.ops.amp import at_least_fp32, autocast_on, no_autocast
+from k3.ops.amp import as_dtype, at_least_fp32, autocast_on, no_autocast
 from k3.ops.glu import glu_for, silu_glu
 from k3.model import packing
 from k3.model.qat import qat_format
@@ -587,8 +587,7 @@ class MoE(nn.Module):
         y = self.experts(z, weights, experts)
         if self.latent_norm is not None:  # in fp32, as the release's RMSNorm computes it
             n = self.latent_norm
-            y32 = F.rms_norm(at_least_fp32(y), n.normalized_shape, at_least_fp32(n.weight), n.eps)
-            y = y32 if y32.dtype == y.dtype else y32.to(y.dtype)
+            y = as_dtype(F.rms_norm(at_least_fp32(y), n.normalized_shape, at_least_fp32(n.weight), n.eps), y.dtype)
         if self.latent:
             y = self.w_up(y)
         if self.shared is not None:

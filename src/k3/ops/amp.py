@@ -10,9 +10,15 @@ import functools
 
 import torch
 
-__all__ = ["autocast_on", "no_autocast", "without_autocast"]
+__all__ = ["as_dtype", "at_least_fp32", "autocast_on", "no_autocast", "without_autocast"]
 
 _WIDE = (torch.float32, torch.float64)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)`, except that a tensor already in `dtype` comes back itself without a dispatcher call: a decode
+    step is a few dozen tiny kernels a layer, where a no-op cast costs as much as one of them."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3.ops.amp import no_autocast
+from k3.ops.amp import as_dtype, no_autocast
 from k3.ops.attnres.naive import compute_dtype
 
 __all__ = ["decode_key", "decode_mix"]
@@ -17,9 +17,8 @@ __all__ = ["decode_key", "decode_mix"]
 
 def decode_key(source: torch.Tensor, eps: float) -> torch.Tensor:
     """source [B, T, D] -> its key RMSNorm(source) without weight, [B, T, D] in the compute dtype (fp32 / fp64)."""
-    dtype = compute_dtype(source)
     with no_autocast(source.device.type):
-        return F.rms_norm(source if source.dtype == dtype else source.to(dtype), (source.shape[-1],), eps=eps)
+        return F.rms_norm(as_dtype(source, compute_dtype(source)), (source.shape[-1],), eps=eps)
 
 
 def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: torch.Tensor,
@@ -29,10 +28,9 @@ def decode_mix(keys: list[torch.Tensor], sources: list[torch.Tensor], query: tor
     k = torch.stack(keys)  # [S, B, T, D]
     with no_autocast(k.device.type):  # the softmax in the keys' precision, as naive.attnres_mix keeps it
         # (a mix is ~10 tiny kernels: the casts that would change nothing are skipped, not dispatched)
-        q = query if query.dtype == k.dtype else query.to(k.dtype)
+        q = as_dtype(query, k.dtype)
         if norm_weight is not None:
             q = q * norm_weight.to(k.dtype)
         w = torch.matmul(k, q).softmax(dim=0)  # [S, B, T]
-        src = torch.stack(sources)
-        h = (w.unsqueeze(-1) * (src if src.dtype == w.dtype else src.to(w.dtype))).sum(0)
-    return (h if h.dtype == sources[0].dtype else h.to(sources[0].dtype)), w.permute(1, 2, 0)
+        h = (w.unsqueeze(-1) * as_dtype(torch.stack(sources), w.dtype)).sum(0)
+    return as_dtype(h, sources[0].dtype), w.permute(1, 2, 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.amp import without_autocast
+from k3.ops.amp import as_dtype, without_autocast
 
 
 @without_autocast
@@ -57,13 +57,12 @@ def recurrent_kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     K, out_dtype = q.shape[-1], v.dtype
     scale = K ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # a decode step is a few dozen tiny kernels: no-op casts are skipped, not dispatched
-    q, k, v, g, beta, state = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, g, beta, state))
+    q, k, v, g, beta, state = (as_dtype(x, dtype) for x in (q, k, v, g, beta, state))
     q = q * scale
     S = g.exp().unsqueeze(-1) * state                                         # S' = Diag(alpha) S
     k_S, q_S = (torch.stack((k, q), dim=-2) @ S).unbind(-2)                   # [B, H, V] each, one product
     u = beta.unsqueeze(-1) * (v - k_S)
     S = torch.addcmul(S, k.unsqueeze(-1), u.unsqueeze(-2))
     o = torch.addcmul(q_S, (q * k).sum(-1, keepdim=True), u)
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), S
+    return as_dtype(o, out_dtype), S
 
